@@ -1,0 +1,86 @@
+// Collectives on flat, contiguous CPU buffers: the only communication the FSDP engine uses.
+//
+// Free functions, no knowledge of modules or parameters. Layout contract (FSDP's): a full buffer of
+// N * s elements is N equal shards of s elements, shard r belonging to group rank r; callers pad.
+//
+// Every dtype works, including bf16 and bool, which libtorch 1.13's Gloo rejects: payloads travel as
+// bytes and reductions are done locally. Reduce-scatter is an all-to-all plus a local sum, so each
+// rank sends (N-1)/N of the buffer rather than the 2(N-1)/N of an all-reduce followed by a slice.
+// Low-precision floating sums accumulate in fp32 and are summed in rank order, so results are
+// deterministic.
+//
+// Each collective has an `_async` form that returns a `CollectiveWork`; the synchronous form is
+// `_async(...).wait()`. Output buffers must not be read before `wait()` returns. Inputs must stay
+// alive and unmodified until then.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <functional>
+#include <memory>
+
+#include <fsdp/process_group.h>
+
+namespace fsdp {
+
+enum class ReduceOp {
+  /// Elementwise sum (logical or for bool).
+  kSum,
+  /// Elementwise maximum (logical or for bool).
+  kMax,
+  /// Elementwise minimum (logical and for bool).
+  kMin,
+};
+
+const char* to_string(ReduceOp op);
+
+namespace detail {
+struct CollectiveWorkState;
+}
+
+/// A collective in flight. `wait()` blocks until the output is ready and rethrows a failure of the
+/// collective with the group, the rank and the operation in the message. Waiting twice is a no-op.
+class CollectiveWork {
+ public:
+  CollectiveWork() = default;
+  explicit CollectiveWork(std::shared_ptr<detail::CollectiveWorkState> state);
+  void wait();
+  /// True once `wait()` has returned (or the collective needed no communication).
+  bool completed() const;
+
+ private:
+  std::shared_ptr<detail::CollectiveWorkState> state_;
+};
+
+struct ReduceScatterOptions {
+  /// Elementwise reduction. Default: sum.
+  ReduceOp op = ReduceOp::kSum;
+  /// Divide the input by this before sending (FSDP pre-divides so large N cannot overflow fp16).
+  /// Default: 1 (no division). Floating dtypes only.
+  double pre_divide_factor = 1.0;
+  /// Divide the reduced shard by this. Default: 1. Floating dtypes only.
+  double post_divide_factor = 1.0;
+};
+
+/// output (N * s elements) <- concatenation of every rank's input (s elements), in rank order.
+CollectiveWork all_gather_async(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
+void all_gather(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
+
+/// output (s elements) <- reduction over ranks of shard `group.rank()` of every rank's input (N * s).
+CollectiveWork reduce_scatter_async(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                                    const ReduceScatterOptions& options = {});
+void reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                    const ReduceScatterOptions& options = {});
+
+/// tensor <- reduction of `tensor` over all ranks, in place. Any size; no padding needed.
+CollectiveWork all_reduce_async(const ProcessGroup& group, const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+void all_reduce(const ProcessGroup& group, const at::Tensor& tensor, ReduceOp op = ReduceOp::kSum);
+
+/// tensor <- root's tensor, in place. `root` is a group rank.
+CollectiveWork broadcast_async(const ProcessGroup& group, const at::Tensor& tensor, int64_t root);
+void broadcast(const ProcessGroup& group, const at::Tensor& tensor, int64_t root);
+
+/// Returns once every rank of the group has called it.
+void barrier(const ProcessGroup& group);
+
+}  // namespace fsdp

@@ -1,0 +1,111 @@
+// Process groups: who talks to whom.
+//
+// A `ProcessGroup` is a cheap, copyable handle to a set of ranks that run collectives together (a
+// c10d Gloo group underneath; see src/dist/c10d_backend.cpp, the only file that touches c10d). A
+// `DistributedContext` owns the rendezvous store and the three groups FSDP needs: the whole world,
+// the ranks on this machine (the shard group of HYBRID_SHARD) and the ranks with the same local
+// rank on every machine (its replicate group). All groups are created on every rank in the same
+// order, after checking that every rank agrees on the layout.
+//
+// Thread-safety: collectives on one group must be issued in the same order on every rank; issue
+// them from one thread.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/distributed_environment.h>
+
+namespace fsdp {
+
+/// Bytes this rank handed to the transport for other ranks, per collective kind, since the group
+/// was created. All-gather and reduce-scatter each send (N-1)/N of the full buffer.
+struct CollectiveByteCounters {
+  int64_t all_gather = 0;
+  int64_t reduce_scatter = 0;
+  int64_t all_reduce = 0;
+  int64_t broadcast = 0;
+  int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast; }
+};
+
+namespace detail {
+struct ProcessGroupState;
+}
+
+class ProcessGroup {
+ public:
+  /// An empty handle; using it is an error.
+  ProcessGroup() = default;
+  explicit ProcessGroup(std::shared_ptr<detail::ProcessGroupState> state);
+
+  /// This process's rank inside the group.
+  int64_t rank() const;
+  /// Number of ranks in the group.
+  int64_t size() const;
+  /// A human name used in errors ("world", "intra_node[1]", ...).
+  const std::string& name() const;
+  /// Global ranks of the members, in group-rank order.
+  const std::vector<int64_t>& global_ranks() const;
+  /// Bytes sent by this rank on this group so far.
+  CollectiveByteCounters bytes_sent() const;
+  void reset_bytes_sent() const;
+
+  explicit operator bool() const { return state_ != nullptr; }
+  detail::ProcessGroupState& state() const;
+
+ private:
+  std::shared_ptr<detail::ProcessGroupState> state_;
+};
+
+namespace detail {
+struct RendezvousState;
+}
+
+/// The process groups of one job. Construct once per process; copies share the same groups.
+class DistributedContext {
+ public:
+  /// Rendezvous with the other ranks described by `environment` and create the groups.
+  /// World size 1 creates no store and opens no socket.
+  static DistributedContext initialize(const DistributedEnvironment& environment);
+  /// `initialize(parse_distributed_environment(current_process_environment()))`.
+  static DistributedContext initialize_from_environment();
+
+  const DistributedEnvironment& environment() const;
+  int64_t rank() const { return environment().rank; }
+  int64_t world_size() const { return environment().world_size; }
+  bool is_main_process() const { return rank() == 0; }
+
+  /// Every rank of the job.
+  const ProcessGroup& world() const;
+  /// The ranks on this machine (HYBRID_SHARD shards inside it).
+  const ProcessGroup& intra_node() const;
+  /// The ranks with this rank's local rank, one per machine (HYBRID_SHARD replicates across it).
+  const ProcessGroup& cross_node() const;
+
+ private:
+  std::shared_ptr<detail::RendezvousState> state_;
+};
+
+/// Which global ranks form each intra-node and cross-node group, from the layout every rank
+/// reported. Pure; throws when the reports disagree (different LOCAL_WORLD_SIZE, or a rank whose
+/// node_rank * local_world_size + local_rank is not its rank).
+struct NodeLayout {
+  int64_t local_world_size = 1;
+  int64_t num_nodes = 1;
+  /// intra_node_groups[node] = global ranks on that node.
+  std::vector<std::vector<int64_t>> intra_node_groups;
+  /// cross_node_groups[local_rank] = global ranks with that local rank.
+  std::vector<std::vector<int64_t>> cross_node_groups;
+};
+struct RankReport {
+  int64_t rank = 0;
+  int64_t local_rank = 0;
+  int64_t local_world_size = 1;
+  int64_t node_rank = 0;
+};
+NodeLayout plan_node_layout(const std::vector<RankReport>& reports);
+
+}  // namespace fsdp

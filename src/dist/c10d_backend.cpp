@@ -1,0 +1,393 @@
+// The only file that talks to c10d: rendezvous store, Gloo process groups and every collective.
+//
+// Gloo in libtorch 1.13 has no reduce_scatter, no _allgather_base, no bf16 or bool reductions, and
+// divides by zero on empty buffers. So: payloads always travel as bytes (all-gather via the list
+// allgather on views of the flat output; reduce-scatter via alltoall_base plus a local reduction),
+// reductions that Gloo cannot do are done locally, and empty buffers never reach Gloo.
+#include "dist/c10d_backend.h"
+
+#include <fsdp/collectives.h>
+
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include <cstdlib>
+#include <mutex>
+#include <sstream>
+
+namespace fsdp {
+namespace detail {
+
+struct BackendStore {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::shared_ptr<::gloo::transport::Device> device;
+};
+
+struct BackendGroup {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+};
+
+struct CollectiveWorkState {
+  c10::intrusive_ptr<c10d::Work> work;
+  std::function<void()> finish;
+  std::string description;
+  std::chrono::milliseconds timeout{0};
+  bool done = false;
+};
+
+namespace {
+
+bool is_loopback(const std::string& host) {
+  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
+}
+
+std::shared_ptr<::gloo::transport::Device> create_device(const DistributedEnvironment& environment) {
+  if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME"); interface != nullptr && *interface != '\0') {
+    return c10d::ProcessGroupGloo::createDeviceForInterface(interface);
+  }
+  // All ranks on one machine talk over loopback, which needs no resolvable hostname.
+  if (environment.num_nodes() == 1 || is_loopback(environment.master_addr)) {
+    return c10d::ProcessGroupGloo::createDeviceForHostname("127.0.0.1");
+  }
+  return c10d::ProcessGroupGloo::createDefaultDevice();
+}
+
+}  // namespace
+
+std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironment& environment) {
+  auto backend = std::make_shared<BackendStore>();
+  c10d::TCPStoreOptions options;
+  options.port = static_cast<std::uint16_t>(environment.master_port);
+  options.isServer = environment.rank == 0 && !environment.use_agent_store;
+  options.numWorkers = static_cast<size_t>(environment.world_size);
+  options.waitWorkers = true;
+  options.timeout = environment.timeout;
+  const double timeout_seconds = environment.timeout.count() / 1000.0;
+  try {
+    backend->store = c10::make_intrusive<c10d::TCPStore>(environment.master_addr, options);
+  } catch (const std::exception& error) {
+    if (options.isServer) {
+      TORCH_CHECK(false, "[rank 0] rendezvous: could not host the store at ", environment.master_addr, ":",
+                  environment.master_port, " for ", environment.world_size, " ranks within ", timeout_seconds,
+                  " s: ", error.what(),
+                  ". If the port is in use, pick another MASTER_PORT (`fsdp launch --master-port 0` picks a free "
+                  "one); if ranks are missing, check that all ", environment.world_size,
+                  " processes were started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE.");
+    }
+    TORCH_CHECK(false, "[rank ", environment.rank, "] rendezvous: could not reach the master at ",
+                environment.master_addr, ":", environment.master_port, " within ", timeout_seconds, " s: ",
+                error.what(),
+                ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, and that the port is "
+                "reachable from this machine (FSDP_COLLECTIVE_TIMEOUT sets the timeout).");
+  }
+  backend->device = create_device(environment);
+  return backend;
+}
+
+std::shared_ptr<ProcessGroupState> create_process_group(const std::shared_ptr<BackendStore>& store,
+                                                        const DistributedEnvironment& environment,
+                                                        const std::string& name,
+                                                        const std::vector<int64_t>& global_ranks) {
+  auto state = std::make_shared<ProcessGroupState>();
+  state->name = name;
+  state->global_ranks = global_ranks;
+  state->global_rank = environment.rank;
+  state->size = static_cast<int64_t>(global_ranks.size());
+  state->timeout = environment.timeout;
+  auto position = std::find(global_ranks.begin(), global_ranks.end(), environment.rank);
+  TORCH_INTERNAL_ASSERT(position != global_ranks.end(), "rank ", environment.rank, " is not a member of group ", name);
+  state->rank = position - global_ranks.begin();
+  if (state->size == 1) return state;
+
+  TORCH_INTERNAL_ASSERT(store != nullptr, "group ", name, " of ", state->size, " ranks needs a rendezvous store");
+  auto options = c10d::ProcessGroupGloo::Options::create(environment.timeout);
+  options->devices.push_back(store->device);
+  auto prefixed = c10::make_intrusive<c10d::PrefixStore>("fsdp/" + name, store->store);
+  auto backend = std::make_shared<BackendGroup>();
+  try {
+    backend->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(state->rank),
+                                                                 static_cast<int>(state->size), options);
+  } catch (const std::exception& error) {
+    TORCH_CHECK(false, "[rank ", environment.rank, "] rendezvous: creating process group '", name, "' of ",
+                state->size, " ranks failed: ", error.what(),
+                ". Every member must start with the same WORLD_SIZE and LOCAL_WORLD_SIZE; check the other ranks' logs.");
+  }
+  state->backend = std::move(backend);
+  return state;
+}
+
+}  // namespace detail
+
+// ---------------------------------------------------------------------------------------------------
+// Collectives.
+
+namespace {
+
+using detail::CollectiveWorkState;
+using detail::ProcessGroupState;
+
+std::string describe(const ProcessGroupState& group, const char* operation, const at::Tensor& tensor) {
+  std::ostringstream text;
+  text << "[rank " << group.global_rank << "] " << operation << " on group '" << group.name << "' (" << group.size
+       << " ranks, " << tensor.numel() << " x " << tensor.scalar_type() << ")";
+  return text.str();
+}
+
+void check_buffer(const ProcessGroupState& group, const char* operation, const char* role, const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.defined(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
+              " tensor is undefined; pass an allocated buffer.");
+  TORCH_CHECK(tensor.device().is_cpu(), "[rank ", group.global_rank, "] ", operation, ": the ", role, " tensor is on ",
+              tensor.device(), " but this build's Gloo groups move CPU tensors; move it with .cpu().");
+  TORCH_CHECK(tensor.is_contiguous(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
+              " tensor must be contiguous (got strides ", tensor.strides(), "); call .contiguous() first.");
+}
+
+void check_divide_factor(const ProcessGroupState& group, const char* name, double factor, const at::Tensor& tensor) {
+  if (factor == 1.0) return;
+  TORCH_CHECK(std::isfinite(factor) && factor > 0, "[rank ", group.global_rank, "] reduce_scatter: ", name, "=",
+              factor, " must be a positive finite number.");
+  TORCH_CHECK(at::isFloatingType(tensor.scalar_type()), "[rank ", group.global_rank, "] reduce_scatter: ", name, "=",
+              factor, " needs a floating dtype but the buffer is ", tensor.scalar_type(), "; use 1 for integers.");
+}
+
+at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
+
+CollectiveWork completed_work() {
+  auto state = std::make_shared<CollectiveWorkState>();
+  state->done = true;
+  return CollectiveWork(state);
+}
+
+CollectiveWork pending_work(const ProcessGroupState& group, c10::intrusive_ptr<c10d::Work> work, std::string description,
+                            std::function<void()> finish = nullptr) {
+  auto state = std::make_shared<CollectiveWorkState>();
+  state->work = std::move(work);
+  state->finish = std::move(finish);
+  state->description = std::move(description);
+  state->timeout = group.timeout;
+  return CollectiveWork(state);
+}
+
+c10d::ProcessGroupGloo& gloo(const ProcessGroupState& group) {
+  TORCH_INTERNAL_ASSERT(group.backend && group.backend->group, "group '", group.name, "' has no backend");
+  return *group.backend->group;
+}
+
+// Reduces the N rows of `rows` (shape [N, s]) into one row, in rank order.
+at::Tensor reduce_rows(const at::Tensor& rows, ReduceOp op) {
+  const auto dtype = rows.scalar_type();
+  if (dtype == at::kBool) return op == ReduceOp::kMin ? rows.all(0) : rows.any(0);
+  switch (op) {
+    case ReduceOp::kSum:
+      if (dtype == at::kBFloat16 || dtype == at::kHalf) return rows.to(at::kFloat).sum(0);
+      return rows.sum(0);
+    case ReduceOp::kMax:
+      return std::get<0>(rows.max(0));
+    case ReduceOp::kMin:
+      return std::get<0>(rows.min(0));
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+bool gloo_reduces_natively(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+}  // namespace
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
+  }
+  return "unknown";
+}
+
+CollectiveWork::CollectiveWork(std::shared_ptr<detail::CollectiveWorkState> state) : state_(std::move(state)) {}
+
+bool CollectiveWork::completed() const { return state_ == nullptr || state_->done; }
+
+void CollectiveWork::wait() {
+  if (state_ == nullptr || state_->done) return;
+  state_->done = true;  // a failed collective is not retried by a second wait()
+  if (state_->work) {
+    try {
+      state_->work->wait();
+    } catch (const std::exception& error) {
+      TORCH_CHECK(false, state_->description, " failed: ", error.what(),
+                  ". A peer rank probably exited or stopped calling collectives in the same order; read the other "
+                  "ranks' logs. (Collective timeout: ", state_->timeout.count() / 1000.0,
+                  " s, set with FSDP_COLLECTIVE_TIMEOUT.)");
+    }
+  }
+  if (state_->finish) state_->finish();
+  state_->work.reset();
+  state_->finish = nullptr;
+}
+
+CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
+  auto& group = group_handle.state();
+  check_buffer(group, "all_gather", "output", output);
+  check_buffer(group, "all_gather", "input", input);
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
+              "] all_gather: output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type(), ".");
+  TORCH_CHECK(output.numel() == input.numel() * group.size, "[rank ", group.global_rank, "] all_gather on group '",
+              group.name, "': output has ", output.numel(), " elements but expected ", group.size, " ranks x ",
+              input.numel(), " = ", input.numel() * group.size, "; pad shards to equal size.");
+  if (group.size == 1) {
+    if (!output.is_same(input)) output.reshape({-1}).copy_(input.reshape({-1}));
+    return completed_work();
+  }
+  if (input.numel() == 0) return completed_work();
+
+  auto input_bytes = as_bytes(input);
+  auto output_bytes = as_bytes(output);
+  const int64_t shard_bytes = input_bytes.numel();
+  std::vector<std::vector<at::Tensor>> outputs(1);
+  for (int64_t rank = 0; rank < group.size; ++rank) outputs[0].push_back(output_bytes.narrow(0, rank * shard_bytes, shard_bytes));
+  std::vector<at::Tensor> inputs{input_bytes};
+  auto work = gloo(group).allgather(outputs, inputs);
+  group.bytes_all_gather += (group.size - 1) * shard_bytes;
+  return pending_work(group, std::move(work), describe(group, "all_gather", output));
+}
+
+void all_gather(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input) {
+  all_gather_async(group, output, input).wait();
+}
+
+CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input,
+                                    const ReduceScatterOptions& options) {
+  auto& group = group_handle.state();
+  check_buffer(group, "reduce_scatter", "output", output);
+  check_buffer(group, "reduce_scatter", "input", input);
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
+              "] reduce_scatter: output dtype ", output.scalar_type(), " differs from input dtype ",
+              input.scalar_type(), ".");
+  TORCH_CHECK(input.numel() == output.numel() * group.size, "[rank ", group.global_rank, "] reduce_scatter on group '",
+              group.name, "': input has ", input.numel(), " elements but expected ", group.size, " ranks x ",
+              output.numel(), " = ", output.numel() * group.size, "; pad the input to a multiple of the group size.");
+  check_divide_factor(group, "pre_divide_factor", options.pre_divide_factor, input);
+  check_divide_factor(group, "post_divide_factor", options.post_divide_factor, input);
+  const int64_t shard_numel = output.numel();
+  if (shard_numel == 0) return completed_work();
+
+  auto send = options.pre_divide_factor == 1.0 ? input.reshape({-1}) : input.reshape({-1}) / options.pre_divide_factor;
+  auto finish_rows = [output, options](const at::Tensor& rows) {
+    auto reduced = reduce_rows(rows, options.op);
+    if (options.post_divide_factor != 1.0) reduced.div_(options.post_divide_factor);
+    output.reshape({-1}).copy_(reduced);
+  };
+  if (group.size == 1) {
+    finish_rows(send.view({1, shard_numel}));
+    return completed_work();
+  }
+
+  // Row r of `received` is rank r's chunk for this rank: (N-1)/N of the buffer crosses the wire.
+  auto received = at::empty({group.size, shard_numel}, input.options());
+  auto send_bytes = as_bytes(send);
+  auto received_bytes = as_bytes(received);
+  std::vector<int64_t> equal_splits;
+  auto work = gloo(group).alltoall_base(received_bytes, send_bytes, equal_splits, equal_splits);
+  group.bytes_reduce_scatter += (group.size - 1) * shard_numel * input.element_size();
+  return pending_work(group, std::move(work), describe(group, "reduce_scatter", input),
+                      [send, received, finish_rows] { finish_rows(received); });
+}
+
+void reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                    const ReduceScatterOptions& options) {
+  reduce_scatter_async(group, output, input, options).wait();
+}
+
+CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tensor& tensor, ReduceOp op) {
+  auto& group = group_handle.state();
+  check_buffer(group, "all_reduce", "input", tensor);
+  if (group.size == 1 || tensor.numel() == 0) return completed_work();
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  if (gloo_reduces_natively(tensor.scalar_type())) {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = to_c10d(op);
+    auto work = gloo(group).allreduce(tensors, options);
+    // Gloo's ring all-reduce: a reduce-scatter then an all-gather, each (N-1)/N of the buffer.
+    group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
+    return pending_work(group, std::move(work), describe(group, "all_reduce", tensor));
+  }
+  // bf16, bool, int16: reduce-scatter then all-gather through our byte path. Done synchronously so
+  // that the two collectives cannot interleave with collectives the caller issues meanwhile.
+  const int64_t shard_numel = (tensor.numel() + group.size - 1) / group.size;
+  auto padded = at::zeros({shard_numel * group.size}, tensor.options());
+  padded.narrow(0, 0, tensor.numel()).copy_(tensor.reshape({-1}));
+  auto shard = at::empty({shard_numel}, tensor.options());
+  ReduceScatterOptions options;
+  options.op = op;
+  reduce_scatter(group_handle, shard, padded, options);
+  all_gather(group_handle, padded, shard);
+  // Charge the traffic to all_reduce, where the caller asked for it.
+  const int64_t moved = (group.size - 1) * shard_numel * tensor.element_size();
+  group.bytes_reduce_scatter -= moved;
+  group.bytes_all_gather -= moved;
+  group.bytes_all_reduce += 2 * moved;
+  tensor.reshape({-1}).copy_(padded.narrow(0, 0, tensor.numel()));
+  return completed_work();
+}
+
+void all_reduce(const ProcessGroup& group, const at::Tensor& tensor, ReduceOp op) {
+  all_reduce_async(group, tensor, op).wait();
+}
+
+CollectiveWork broadcast_async(const ProcessGroup& group_handle, const at::Tensor& tensor, int64_t root) {
+  auto& group = group_handle.state();
+  check_buffer(group, "broadcast", "input", tensor);
+  TORCH_CHECK(root >= 0 && root < group.size, "[rank ", group.global_rank, "] broadcast on group '", group.name,
+              "': root ", root, " is outside [0, ", group.size, ").");
+  if (group.size == 1 || tensor.numel() == 0) return completed_work();
+  std::vector<at::Tensor> tensors{as_bytes(tensor)};
+  c10d::BroadcastOptions options;
+  options.rootRank = root;
+  auto work = gloo(group).broadcast(tensors, options);
+  if (group.rank == root) group.bytes_broadcast += (group.size - 1) * tensor.numel() * tensor.element_size();
+  return pending_work(group, std::move(work), describe(group, "broadcast", tensor));
+}
+
+void broadcast(const ProcessGroup& group, const at::Tensor& tensor, int64_t root) {
+  broadcast_async(group, tensor, root).wait();
+}
+
+void barrier(const ProcessGroup& group_handle) {
+  auto& group = group_handle.state();
+  if (group.size == 1) return;
+  auto work = gloo(group).barrier();
+  pending_work(group, std::move(work), "[rank " + std::to_string(group.global_rank) + "] barrier on group '" +
+                                           group.name + "'")
+      .wait();
+}
+
+}  // namespace fsdp

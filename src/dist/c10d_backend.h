@@ -1,0 +1,58 @@
+// Private: the seam between fsdp.cpp and c10d. Only c10d_backend.cpp includes c10d headers, so a
+// libtorch 2.x or NCCL build changes that one file.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <fsdp/distributed_environment.h>
+#include <fsdp/process_group.h>
+
+namespace fsdp::detail {
+
+/// The c10d objects behind a group (defined in c10d_backend.cpp).
+struct BackendGroup;
+/// The rendezvous store (defined in c10d_backend.cpp).
+struct BackendStore;
+
+struct ProcessGroupState {
+  // Constant after construction.
+  std::string name;
+  int64_t rank = 0;
+  int64_t size = 1;
+  std::vector<int64_t> global_ranks;
+  int64_t global_rank = 0;
+  std::chrono::milliseconds timeout{0};
+  /// Null for a group of one rank: its collectives are local copies.
+  std::shared_ptr<BackendGroup> backend;
+
+  // Bytes this rank handed to the transport, per collective kind.
+  std::atomic<int64_t> bytes_all_gather{0};
+  std::atomic<int64_t> bytes_reduce_scatter{0};
+  std::atomic<int64_t> bytes_all_reduce{0};
+  std::atomic<int64_t> bytes_broadcast{0};
+};
+
+struct RendezvousState {
+  DistributedEnvironment environment;
+  std::shared_ptr<BackendStore> store;
+  ProcessGroup world;
+  ProcessGroup intra_node;
+  ProcessGroup cross_node;
+};
+
+/// Connects to (rank 0: hosts) the TCP store at MASTER_ADDR:MASTER_PORT. Throws with the address,
+/// port and timeout when the master cannot be reached or its port cannot be bound.
+std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironment& environment);
+
+/// Creates the group `name` of `global_ranks` (which must contain environment.rank). Every member
+/// must call this with the same name and ranks, in the same order relative to other groups.
+std::shared_ptr<ProcessGroupState> create_process_group(const std::shared_ptr<BackendStore>& store,
+                                                        const DistributedEnvironment& environment,
+                                                        const std::string& name,
+                                                        const std::vector<int64_t>& global_ranks);
+
+}  // namespace fsdp::detail

@@ -1,0 +1,127 @@
+// Process groups and the rendezvous that creates them. c10d itself is behind dist/c10d_backend.h.
+#include <fsdp/collectives.h>
+#include <fsdp/process_group.h>
+
+#include "dist/c10d_backend.h"
+
+#include <ATen/ATen.h>
+
+#include <sstream>
+
+namespace fsdp {
+
+ProcessGroup::ProcessGroup(std::shared_ptr<detail::ProcessGroupState> state) : state_(std::move(state)) {}
+
+detail::ProcessGroupState& ProcessGroup::state() const {
+  TORCH_CHECK(state_ != nullptr, "ProcessGroup: this handle is empty; get groups from a DistributedContext.");
+  return *state_;
+}
+
+int64_t ProcessGroup::rank() const { return state().rank; }
+int64_t ProcessGroup::size() const { return state().size; }
+const std::string& ProcessGroup::name() const { return state().name; }
+const std::vector<int64_t>& ProcessGroup::global_ranks() const { return state().global_ranks; }
+
+CollectiveByteCounters ProcessGroup::bytes_sent() const {
+  const auto& group = state();
+  CollectiveByteCounters counters;
+  counters.all_gather = group.bytes_all_gather.load();
+  counters.reduce_scatter = group.bytes_reduce_scatter.load();
+  counters.all_reduce = group.bytes_all_reduce.load();
+  counters.broadcast = group.bytes_broadcast.load();
+  return counters;
+}
+
+void ProcessGroup::reset_bytes_sent() const {
+  auto& group = state();
+  group.bytes_all_gather = 0;
+  group.bytes_reduce_scatter = 0;
+  group.bytes_all_reduce = 0;
+  group.bytes_broadcast = 0;
+}
+
+NodeLayout plan_node_layout(const std::vector<RankReport>& reports) {
+  TORCH_CHECK(!reports.empty(), "plan_node_layout: no rank reported its layout.");
+  NodeLayout layout;
+  layout.local_world_size = reports.front().local_world_size;
+  const int64_t world_size = static_cast<int64_t>(reports.size());
+  for (size_t index = 0; index < reports.size(); ++index) {
+    const auto& report = reports[index];
+    TORCH_CHECK(report.rank == static_cast<int64_t>(index), "rendezvous: the report at position ", index,
+                " came from rank ", report.rank, "; ranks must be 0..", world_size - 1, " with no duplicates.");
+    TORCH_CHECK(report.local_world_size == layout.local_world_size, "rendezvous: ranks disagree on LOCAL_WORLD_SIZE: rank 0 has ",
+                layout.local_world_size, " but rank ", report.rank, " has ", report.local_world_size,
+                ". Start every machine with the same --nproc-per-node.");
+    const int64_t expected_rank = report.node_rank * report.local_world_size + report.local_rank;
+    TORCH_CHECK(expected_rank == report.rank, "rendezvous: rank ", report.rank, " reports node ", report.node_rank,
+                " and local rank ", report.local_rank, " (local world size ", report.local_world_size,
+                "), which is rank ", expected_rank,
+                " under the block layout every launcher uses. Give each machine a distinct --node-rank and the same "
+                "--nproc-per-node.");
+  }
+  TORCH_CHECK(world_size % layout.local_world_size == 0, "rendezvous: world size ", world_size,
+              " is not a multiple of LOCAL_WORLD_SIZE=", layout.local_world_size, ".");
+  layout.num_nodes = world_size / layout.local_world_size;
+  layout.intra_node_groups.resize(layout.num_nodes);
+  layout.cross_node_groups.resize(layout.local_world_size);
+  for (const auto& report : reports) {
+    layout.intra_node_groups[report.node_rank].push_back(report.rank);
+    layout.cross_node_groups[report.local_rank].push_back(report.rank);
+  }
+  return layout;
+}
+
+const DistributedEnvironment& DistributedContext::environment() const { return state_->environment; }
+const ProcessGroup& DistributedContext::world() const { return state_->world; }
+const ProcessGroup& DistributedContext::intra_node() const { return state_->intra_node; }
+const ProcessGroup& DistributedContext::cross_node() const { return state_->cross_node; }
+
+DistributedContext DistributedContext::initialize_from_environment() {
+  return initialize(parse_distributed_environment(current_process_environment()));
+}
+
+DistributedContext DistributedContext::initialize(const DistributedEnvironment& environment) {
+  DistributedContext context;
+  context.state_ = std::make_shared<detail::RendezvousState>();
+  auto& state = *context.state_;
+  state.environment = environment;
+  if (!environment.is_distributed()) {
+    auto single = ProcessGroup(detail::create_process_group(nullptr, environment, "world", {environment.rank}));
+    state.world = single;
+    state.intra_node = single;
+    state.cross_node = ProcessGroup(detail::create_process_group(nullptr, environment, "cross_node[0]", {environment.rank}));
+    return context;
+  }
+
+  state.store = detail::connect_rendezvous_store(environment);
+  std::vector<int64_t> everyone(environment.world_size);
+  for (int64_t rank = 0; rank < environment.world_size; ++rank) everyone[rank] = rank;
+  state.world = ProcessGroup(detail::create_process_group(state.store, environment, "world", everyone));
+
+  // Every rank states where it thinks it is; the groups are planned from what all of them said, so
+  // a rank with a stale variable is named here instead of deadlocking a hybrid collective later.
+  auto mine = at::tensor({environment.rank, environment.local_rank, environment.local_world_size, environment.node_rank},
+                         at::kLong);
+  auto all = at::empty({environment.world_size * 4}, at::kLong);
+  all_gather(state.world, all, mine);
+  std::vector<RankReport> reports(environment.world_size);
+  auto values = all.accessor<int64_t, 1>();
+  for (int64_t rank = 0; rank < environment.world_size; ++rank) {
+    reports[rank] = RankReport{values[rank * 4], values[rank * 4 + 1], values[rank * 4 + 2], values[rank * 4 + 3]};
+  }
+  auto layout = plan_node_layout(reports);
+
+  if (layout.num_nodes == 1) {
+    state.intra_node = state.world;
+  } else {
+    state.intra_node = ProcessGroup(detail::create_process_group(
+        state.store, environment, "intra_node[" + std::to_string(environment.node_rank) + "]",
+        layout.intra_node_groups[environment.node_rank]));
+  }
+  state.cross_node = ProcessGroup(detail::create_process_group(
+      state.store, environment, "cross_node[" + std::to_string(environment.local_rank) + "]",
+      layout.cross_node_groups[environment.local_rank]));
+  return context;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,109 @@
+// See launcher.h.
+#include "launch/launcher.h"
+
+#include "launch/process_set.h"
+
+#include <c10/util/Exception.h>
+
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <sstream>
+
+namespace fsdp::detail {
+
+void validate(const LaunchOptions& options) {
+  TORCH_CHECK(options.nproc_per_node >= 1, "fsdp launch: --nproc-per-node ", options.nproc_per_node,
+              " must be at least 1.");
+  TORCH_CHECK(options.nnodes >= 1, "fsdp launch: --nnodes ", options.nnodes, " must be at least 1.");
+  TORCH_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes, "fsdp launch: --node-rank ",
+              options.node_rank, " must be in [0, --nnodes ", options.nnodes, ").");
+  TORCH_CHECK(options.master_port >= 0 && options.master_port <= 65535, "fsdp launch: --master-port ",
+              options.master_port, " is not a TCP port; expected [1, 65535], or 0 for a free one.");
+  if (options.nnodes > 1) {
+    TORCH_CHECK(options.master_port != 0, "fsdp launch: --master-port 0 picks a port on this machine only, but the "
+                                          "job spans ", options.nnodes,
+                " machines that must agree on it; give the same explicit --master-port on every machine.");
+    const bool loopback = options.master_addr.rfind("127.", 0) == 0 || options.master_addr == "localhost";
+    TORCH_CHECK(!loopback, "fsdp launch: --master-addr ", options.master_addr, " is a loopback address but the job "
+                           "spans ", options.nnodes,
+                " machines; pass the address of the machine with --node-rank 0.");
+  }
+  TORCH_CHECK(!options.command.empty(), "fsdp launch: no program given; put the command after `--`, e.g. "
+                                        "`fsdp launch --nproc-per-node 2 -- ./train --steps 10`.");
+}
+
+EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank) {
+  EnvironmentMap environment = base;
+  const int64_t world_size = options.nnodes * options.nproc_per_node;
+  const int64_t rank = options.node_rank * options.nproc_per_node + local_rank;
+  environment["RANK"] = std::to_string(rank);
+  environment["WORLD_SIZE"] = std::to_string(world_size);
+  environment["LOCAL_RANK"] = std::to_string(local_rank);
+  environment["LOCAL_WORLD_SIZE"] = std::to_string(options.nproc_per_node);
+  environment["GROUP_RANK"] = std::to_string(options.node_rank);
+  environment["ROLE_RANK"] = std::to_string(rank);
+  environment["ROLE_WORLD_SIZE"] = std::to_string(world_size);
+  environment["MASTER_ADDR"] = options.master_addr;
+  environment["MASTER_PORT"] = std::to_string(options.master_port);
+  // As torchrun: several processes each spawning one thread per core would oversubscribe the CPU.
+  if (options.nproc_per_node > 1 && environment.find("OMP_NUM_THREADS") == environment.end()) {
+    environment["OMP_NUM_THREADS"] = "1";
+  }
+  return environment;
+}
+
+int pick_free_port() {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  TORCH_CHECK(fd >= 0, "fsdp launch: socket() failed while picking a free port: ", std::strerror(errno));
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = 0;
+  socklen_t length = sizeof(address);
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0 &&
+                  ::getsockname(fd, reinterpret_cast<sockaddr*>(&address), &length) == 0;
+  const int error = errno;
+  ::close(fd);
+  TORCH_CHECK(ok, "fsdp launch: could not find a free port on 127.0.0.1: ", std::strerror(error),
+              "; pass --master-port explicitly.");
+  return ntohs(address.sin_port);
+}
+
+LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
+  validate(options);
+  if (options.master_port == 0) options.master_port = pick_free_port();
+  resolve_program(options.command.front(), base);  // a clear error before anything starts
+
+  std::vector<ProcessSpec> specs;
+  for (int64_t local_rank = 0; local_rank < options.nproc_per_node; ++local_rank) {
+    ProcessSpec spec;
+    spec.argv = options.command;
+    spec.environment = worker_environment(options, base, local_rank);
+    spec.label = "rank " + spec.environment["RANK"];
+    spec.output = options.rank_prefix ? OutputMode::kLinePrefix : OutputMode::kInherit;
+    specs.push_back(std::move(spec));
+  }
+  ProcessSetOptions set_options;
+  set_options.termination_grace = options.termination_grace;
+  auto outcome = run_process_set(specs, set_options);
+  LaunchResult result;
+  result.exit_code = outcome.exit_code;
+  std::ostringstream message;
+  if (outcome.first_failure) {
+    message << specs[*outcome.first_failure].label << " (local rank " << *outcome.first_failure
+            << ") failed with exit code " << outcome.exit_code << "; stopped the other " << (specs.size() - 1)
+            << " local process(es).";
+  } else if (outcome.interrupted) {
+    message << "interrupted (exit code " << outcome.exit_code << "); stopped all " << specs.size()
+            << " local process(es).";
+  }
+  result.message = message.str();
+  return result;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,55 @@
+// Private: `fsdp launch`, a torchrun-compatible launcher for one machine of a job.
+//
+// It starts --nproc-per-node copies of a program with torchrun's variables (RANK, WORLD_SIZE,
+// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+// and they live and die together (see process_set.h). Rank 0's process hosts the store, as in
+// torchrun's static rendezvous.
+#pragma once
+
+#include <chrono>
+#include <string>
+#include <vector>
+
+#include <fsdp/distributed_environment.h>
+
+namespace fsdp::detail {
+
+struct LaunchOptions {
+  /// Processes on this machine. Default: 1.
+  int64_t nproc_per_node = 1;
+  /// Machines in the job. Default: 1.
+  int64_t nnodes = 1;
+  /// This machine's index in [0, nnodes). Default: 0.
+  int64_t node_rank = 0;
+  /// Address of the machine running rank 0. Default: 127.0.0.1 (one machine only).
+  std::string master_addr = "127.0.0.1";
+  /// Port of the rendezvous store; 0 picks a free one (one machine only). Default: 29500.
+  int master_port = 29500;
+  /// Prefix each output line with "[rank R]: ". Default: off.
+  bool rank_prefix = false;
+  /// SIGTERM -> SIGKILL grace when stopping the others after a failure. Default: 3 s.
+  std::chrono::milliseconds termination_grace{3000};
+  /// The program and its arguments.
+  std::vector<std::string> command;
+};
+
+/// Throws a c10::Error naming the flag, its value and the fix for any inconsistent option.
+void validate(const LaunchOptions& options);
+
+/// The environment of local process `local_rank`: `base` plus torchrun's variables.
+EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank);
+
+/// A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close).
+int pick_free_port();
+
+struct LaunchResult {
+  /// The launcher's exit code: 0, the first failing process's code, or 128 + signal.
+  int exit_code = 0;
+  /// What went wrong, for the CLI to print; empty on success.
+  std::string message;
+};
+
+/// Runs the job on this machine.
+LaunchResult launch(LaunchOptions options, const EnvironmentMap& base);
+
+}  // namespace fsdp::detail

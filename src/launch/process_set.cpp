@@ -1,0 +1,309 @@
+// See process_set.h. POSIX only (fork/exec, process groups, poll).
+#include "launch/process_set.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <csignal>
+#include <cstring>
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/prctl.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <thread>
+
+namespace fsdp::detail {
+namespace {
+
+// Written by the signal handler, read by the wait loop.
+std::atomic<int> received_signal{0};
+
+void remember_signal(int signal_number) { received_signal.store(signal_number); }
+
+// Installs the forwarding handlers for the lifetime of a run and restores the previous ones.
+class SignalForwarding {
+ public:
+  explicit SignalForwarding(bool enabled) : enabled_(enabled) {
+    if (!enabled_) return;
+    received_signal.store(0);
+    struct sigaction action {};
+    action.sa_handler = remember_signal;
+    sigemptyset(&action.sa_mask);
+    sigaction(SIGINT, &action, &previous_interrupt_);
+    sigaction(SIGTERM, &action, &previous_terminate_);
+  }
+  ~SignalForwarding() {
+    if (!enabled_) return;
+    sigaction(SIGINT, &previous_interrupt_, nullptr);
+    sigaction(SIGTERM, &previous_terminate_, nullptr);
+  }
+  SignalForwarding(const SignalForwarding&) = delete;
+  SignalForwarding& operator=(const SignalForwarding&) = delete;
+
+ private:
+  bool enabled_;
+  struct sigaction previous_interrupt_ {};
+  struct sigaction previous_terminate_ {};
+};
+
+struct RelayedStream {
+  int fd = -1;
+  int destination = STDOUT_FILENO;
+  std::string pending;
+};
+
+struct Child {
+  pid_t pid = -1;
+  bool running = false;
+  std::string label;
+  std::vector<RelayedStream> streams;
+};
+
+void write_all(int fd, const std::string& text) {
+  size_t written = 0;
+  while (written < text.size()) {
+    ssize_t n = ::write(fd, text.data() + written, text.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) return;  // the terminal went away; output is best effort
+    written += static_cast<size_t>(n);
+  }
+}
+
+void relay_lines(RelayedStream& stream, const std::string& label, bool flush_partial) {
+  size_t start = 0;
+  for (size_t newline; (newline = stream.pending.find('\n', start)) != std::string::npos; start = newline + 1) {
+    write_all(stream.destination, "[" + label + "]: " + stream.pending.substr(start, newline - start + 1));
+  }
+  stream.pending.erase(0, start);
+  if (flush_partial && !stream.pending.empty()) {
+    write_all(stream.destination, "[" + label + "]: " + stream.pending + "\n");
+    stream.pending.clear();
+  }
+}
+
+std::vector<char*> as_c_strings(std::vector<std::string>& strings) {
+  std::vector<char*> pointers;
+  for (auto& text : strings) pointers.push_back(text.data());
+  pointers.push_back(nullptr);
+  return pointers;
+}
+
+int shell_status(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+Child spawn(const ProcessSpec& spec) {
+  std::string program = resolve_program(spec.argv.at(0), spec.environment);
+  std::vector<std::string> arguments = spec.argv;
+  std::vector<std::string> environment;
+  for (const auto& [name, value] : spec.environment) environment.push_back(name + "=" + value);
+  auto argv = as_c_strings(arguments);
+  auto envp = as_c_strings(environment);
+
+  int output_pipes[2][2] = {{-1, -1}, {-1, -1}};
+  int output_file = -1;
+  if (spec.output == OutputMode::kLinePrefix) {
+    for (auto& pipe_fds : output_pipes) TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
+  } else if (spec.output == OutputMode::kFile) {
+    output_file = ::open(spec.output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    TORCH_CHECK(output_file >= 0, "launch: cannot open log file '", spec.output_path, "' for ", spec.label, ": ",
+                std::strerror(errno));
+  }
+  // Closed by a successful exec; otherwise carries the exec errno back to the parent.
+  int exec_error_pipe[2];
+  TORCH_CHECK(::pipe2(exec_error_pipe, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
+  const pid_t parent = ::getpid();
+
+  pid_t pid = ::fork();
+  TORCH_CHECK(pid >= 0, "launch: fork failed for ", spec.label, ": ", std::strerror(errno));
+  if (pid == 0) {
+    // Child: only async-signal-safe calls until exec.
+    ::setpgid(0, 0);
+    ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+    if (::getppid() != parent) ::_exit(128 + SIGTERM);
+    struct sigaction default_action {};
+    default_action.sa_handler = SIG_DFL;
+    sigemptyset(&default_action.sa_mask);
+    ::sigaction(SIGINT, &default_action, nullptr);
+    ::sigaction(SIGTERM, &default_action, nullptr);
+    if (spec.output == OutputMode::kLinePrefix) {
+      ::dup2(output_pipes[0][1], STDOUT_FILENO);
+      ::dup2(output_pipes[1][1], STDERR_FILENO);
+    } else if (spec.output == OutputMode::kFile) {
+      ::dup2(output_file, STDOUT_FILENO);
+      ::dup2(output_file, STDERR_FILENO);
+    }
+    ::execve(program.c_str(), argv.data(), envp.data());
+    int error = errno;
+    ssize_t ignored = ::write(exec_error_pipe[1], &error, sizeof(error));
+    (void)ignored;
+    ::_exit(127);
+  }
+  ::setpgid(pid, pid);  // also here, so a kill(-pid) right after fork cannot miss
+  ::close(exec_error_pipe[1]);
+  int exec_error = 0;
+  ssize_t got;
+  do {
+    got = ::read(exec_error_pipe[0], &exec_error, sizeof(exec_error));
+  } while (got < 0 && errno == EINTR);
+  ::close(exec_error_pipe[0]);
+  if (output_file >= 0) ::close(output_file);
+
+  Child child;
+  child.pid = pid;
+  child.running = true;
+  child.label = spec.label;
+  if (spec.output == OutputMode::kLinePrefix) {
+    ::close(output_pipes[0][1]);
+    ::close(output_pipes[1][1]);
+    child.streams.push_back({output_pipes[0][0], STDOUT_FILENO, {}});
+    child.streams.push_back({output_pipes[1][0], STDERR_FILENO, {}});
+  }
+  if (got == static_cast<ssize_t>(sizeof(exec_error))) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    for (auto& stream : child.streams) ::close(stream.fd);
+    TORCH_CHECK(false, "launch: cannot execute '", program, "' for ", spec.label, ": ", std::strerror(exec_error), ".");
+  }
+  return child;
+}
+
+void signal_all(std::vector<Child>& children, int signal_number) {
+  // Exited children's groups may still hold grandchildren; ESRCH just means nothing is left.
+  for (auto& child : children) ::kill(-child.pid, signal_number);
+}
+
+}  // namespace
+
+std::string resolve_program(const std::string& program, const EnvironmentMap& environment) {
+  TORCH_CHECK(!program.empty(), "launch: no program given; put the command after `--`, e.g. `fsdp launch "
+                                "--nproc-per-node 2 -- ./train`.");
+  auto executable = [](const std::string& path) {
+    struct stat info {};
+    return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && ::access(path.c_str(), X_OK) == 0;
+  };
+  if (program.find('/') != std::string::npos) {
+    TORCH_CHECK(executable(program), "launch: program '", program,
+                "' does not exist or is not an executable file; check the path (relative paths are resolved from ",
+                "the current directory).");
+    return program;
+  }
+  auto path_entry = environment.find("PATH");
+  std::string path = path_entry == environment.end() ? "/usr/local/bin:/usr/bin:/bin" : path_entry->second;
+  size_t start = 0;
+  while (true) {
+    size_t colon = path.find(':', start);
+    std::string directory = path.substr(start, colon == std::string::npos ? std::string::npos : colon - start);
+    std::string candidate = (directory.empty() ? std::string(".") : directory) + "/" + program;
+    if (executable(candidate)) return candidate;
+    if (colon == std::string::npos) break;
+    start = colon + 1;
+  }
+  TORCH_CHECK(false, "launch: program '", program, "' was not found in PATH (", path,
+              "); give its path, e.g. ./", program, ".");
+}
+
+ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const ProcessSetOptions& options) {
+  using Clock = std::chrono::steady_clock;
+  SignalForwarding forwarding(options.forward_signals);
+  ProcessSetResult result;
+  result.outcomes.resize(specs.size());
+  std::vector<Child> children;
+  try {
+    for (const auto& spec : specs) children.push_back(spawn(spec));
+  } catch (...) {
+    signal_all(children, SIGKILL);
+    for (auto& child : children) ::waitpid(child.pid, nullptr, 0);
+    throw;
+  }
+
+  const auto started = Clock::now();
+  std::optional<Clock::time_point> kill_deadline;  // set once the set is being stopped
+  auto stop_all = [&](int signal_number) {
+    if (kill_deadline) return;
+    for (size_t index = 0; index < children.size(); ++index) {
+      if (children[index].running) result.outcomes[index].stopped_by_parent = true;
+    }
+    signal_all(children, signal_number);
+    kill_deadline = Clock::now() + options.termination_grace;
+  };
+
+  auto any_running = [&] {
+    for (const auto& child : children) {
+      if (child.running || !child.streams.empty()) return true;
+    }
+    return false;
+  };
+  while (any_running()) {
+    std::vector<pollfd> descriptors;
+    std::vector<std::pair<size_t, size_t>> owners;
+    for (size_t index = 0; index < children.size(); ++index) {
+      for (size_t stream = 0; stream < children[index].streams.size(); ++stream) {
+        descriptors.push_back({children[index].streams[stream].fd, POLLIN, 0});
+        owners.emplace_back(index, stream);
+      }
+    }
+    int ready = ::poll(descriptors.data(), descriptors.size(), 20);
+    if (ready > 0) {
+      for (size_t position = descriptors.size(); position-- > 0;) {
+        if (descriptors[position].revents == 0) continue;
+        auto [index, stream_index] = owners[position];
+        auto& child = children[index];
+        auto& stream = child.streams[stream_index];
+        char buffer[65536];
+        ssize_t n = ::read(stream.fd, buffer, sizeof(buffer));
+        if (n > 0) {
+          stream.pending.append(buffer, static_cast<size_t>(n));
+          relay_lines(stream, child.label, false);
+        } else if (n == 0 || (errno != EINTR && errno != EAGAIN)) {
+          relay_lines(stream, child.label, true);
+          ::close(stream.fd);
+          child.streams.erase(child.streams.begin() + static_cast<std::ptrdiff_t>(stream_index));
+        }
+      }
+    }
+
+    for (size_t index = 0; index < children.size(); ++index) {
+      auto& child = children[index];
+      if (!child.running) continue;
+      int status = 0;
+      pid_t reaped = ::waitpid(child.pid, &status, WNOHANG);
+      if (reaped != child.pid) continue;
+      child.running = false;
+      result.outcomes[index].exit_code = shell_status(status);
+      if (result.outcomes[index].exit_code != 0 && !result.first_failure && !kill_deadline) {
+        result.first_failure = index;
+        result.exit_code = result.outcomes[index].exit_code;
+        stop_all(SIGTERM);
+      }
+    }
+
+    if (int signal_number = received_signal.exchange(0); signal_number != 0 && options.forward_signals) {
+      if (!result.interrupted && !result.first_failure) {
+        result.interrupted = true;
+        result.exit_code = 128 + signal_number;
+      }
+      stop_all(signal_number);
+    }
+    if (options.timeout && !kill_deadline && Clock::now() - started > *options.timeout) {
+      result.timed_out = true;
+      result.exit_code = 124;
+      stop_all(SIGTERM);
+    }
+    if (kill_deadline && Clock::now() > *kill_deadline) {
+      signal_all(children, SIGKILL);
+      kill_deadline = Clock::time_point::max();
+    }
+  }
+  // Leave no grandchildren behind once the set is being stopped.
+  if (kill_deadline) signal_all(children, SIGKILL);
+  return result;
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,16 @@
+# Installs the built fsdp into a scratch prefix, then configures, builds and runs tests/consumer
+# against it, as a user's project would.
+file(REMOVE_RECURSE "${WORK_DIR}")
+file(MAKE_DIRECTORY "${WORK_DIR}")
+function(run_step)
+  execute_process(COMMAND ${ARGN} RESULT_VARIABLE result OUTPUT_VARIABLE output ERROR_VARIABLE output)
+  if(NOT result EQUAL 0)
+    message(FATAL_ERROR "consumer test step failed (${result}): ${ARGN}\n${output}")
+  endif()
+  message(STATUS "${output}")
+endfunction()
+run_step(${CMAKE_COMMAND} --install "${FSDP_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+run_step(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -DCMAKE_BUILD_TYPE=Release
+         "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
+run_step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
+run_step("${WORK_DIR}/build/consumer")

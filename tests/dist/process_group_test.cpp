@@ -1,0 +1,125 @@
+// Rendezvous, node groups and their errors.
+#include <fsdp/collectives.h>
+#include <fsdp/process_group.h>
+
+#include "harness/multi_rank.h"
+#include "launch/launcher.h"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+
+namespace fsdp {
+namespace {
+
+std::string message_of(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(PlanNodeLayout, TwoMachinesOfTwo) {
+  std::vector<RankReport> reports = {{0, 0, 2, 0}, {1, 1, 2, 0}, {2, 0, 2, 1}, {3, 1, 2, 1}};
+  auto layout = plan_node_layout(reports);
+  EXPECT_EQ(layout.num_nodes, 2);
+  EXPECT_EQ(layout.intra_node_groups, (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}}));
+  EXPECT_EQ(layout.cross_node_groups, (std::vector<std::vector<int64_t>>{{0, 2}, {1, 3}}));
+}
+
+TEST(PlanNodeLayout, DisagreementIsNamed) {
+  auto message = message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 1, 1}}); });
+  EXPECT_NE(message.find("disagree on LOCAL_WORLD_SIZE"), std::string::npos) << message;
+  EXPECT_NE(message.find("rank 1 has 1"), std::string::npos) << message;
+  message = message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 2, 0}}); });
+  EXPECT_NE(message.find("rank 1 reports node 0 and local rank 0"), std::string::npos) << message;
+  EXPECT_NE(message.find("--node-rank"), std::string::npos) << message;
+}
+
+TEST(DistributedContext, SingleProcessNeedsNoNetwork) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  EXPECT_EQ(context.world_size(), 1);
+  EXPECT_EQ(context.world().size(), 1);
+  EXPECT_EQ(context.intra_node().size(), 1);
+  EXPECT_EQ(context.cross_node().size(), 1);
+  auto tensor = at::arange(5, at::kFloat);
+  all_reduce(context.world(), tensor);
+  EXPECT_TRUE(tensor.equal(at::arange(5, at::kFloat)));
+  auto gathered = at::empty({3}, at::kFloat);
+  all_gather(context.world(), gathered, at::ones({3}, at::kFloat));
+  EXPECT_TRUE(gathered.equal(at::ones({3}, at::kFloat)));
+  EXPECT_EQ(context.world().bytes_sent().total(), 0);
+}
+
+TEST(DistributedContext, UnreachableMasterNamesAddressAndPort) {
+  const int port = detail::pick_free_port();  // nothing listens there
+  DistributedEnvironment environment;
+  environment.rank = 1;
+  environment.world_size = 2;
+  environment.local_rank = 1;
+  environment.local_world_size = 2;
+  environment.master_port = port;
+  environment.timeout = std::chrono::milliseconds(1500);
+  auto message = message_of([&] { DistributedContext::initialize(environment); });
+  EXPECT_NE(message.find("could not reach the master at 127.0.0.1:" + std::to_string(port)), std::string::npos) << message;
+  EXPECT_NE(message.find("FSDP_COLLECTIVE_TIMEOUT"), std::string::npos) << message;
+}
+
+TEST(DistributedContext, HybridGroupsOnTwoSimulatedMachines) {
+  testing::MultiRankOptions options;
+  options.environment_for_rank = [](int rank) {
+    return std::map<std::string, std::string>{
+        {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank % 2)}, {"GROUP_RANK", std::to_string(rank / 2)}};
+  };
+  testing::run_on_ranks(
+      4,
+      [](const DistributedContext& context) {
+        const int64_t rank = context.rank();
+        EXPECT_EQ(context.environment().num_nodes(), 2);
+        EXPECT_EQ(context.intra_node().global_ranks(), (std::vector<int64_t>{rank / 2 * 2, rank / 2 * 2 + 1}));
+        EXPECT_EQ(context.cross_node().global_ranks(), (std::vector<int64_t>{rank % 2, rank % 2 + 2}));
+        EXPECT_EQ(context.intra_node().rank(), rank % 2);
+        EXPECT_EQ(context.cross_node().rank(), rank / 2);
+        auto intra = at::tensor({rank}, at::kLong);
+        all_reduce(context.intra_node(), intra);
+        EXPECT_EQ(intra.item<int64_t>(), (rank / 2 * 2) * 2 + 1);
+        auto cross = at::tensor({rank}, at::kLong);
+        all_reduce(context.cross_node(), cross);
+        EXPECT_EQ(cross.item<int64_t>(), 2 * (rank % 2) + 2);
+      },
+      options);
+}
+
+TEST(DistributedContext, RanksThatDisagreeOnTheLayoutAreNamed) {
+  testing::MultiRankOptions options;
+  options.environment_for_rank = [](int rank) {
+    // Rank 1 was started as if it were alone on a second machine.
+    if (rank == 1) return std::map<std::string, std::string>{{"LOCAL_WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"GROUP_RANK", "1"}};
+    return std::map<std::string, std::string>{{"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}};
+  };
+  testing::run_processes(
+      2,
+      [](int) {
+        auto message = message_of([] { DistributedContext::initialize_from_environment(); });
+        EXPECT_NE(message.find("disagree on LOCAL_WORLD_SIZE: rank 0 has 2 but rank 1 has 1"), std::string::npos)
+            << message;
+      },
+      options);
+}
+
+TEST(DistributedContext, DeadPeerIsAnErrorNotAHang) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    if (context.rank() == 1) std::_Exit(0);  // leaves without a word, like a crashed process
+    auto tensor = at::ones({1024}, at::kFloat);
+    auto message = message_of([&] { all_reduce(context.world(), tensor); });
+    EXPECT_NE(message.find("[rank 0] all_reduce on group 'world'"), std::string::npos) << message;
+    EXPECT_NE(message.find("failed"), std::string::npos) << message;
+  });
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,98 @@
+#include "harness/multi_rank.h"
+
+#include "launch/launcher.h"
+#include "launch/process_set.h"
+
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace fsdp::testing {
+namespace {
+
+constexpr const char* kRankVariable = "FSDP_TEST_HARNESS_RANK";
+
+std::string current_test_filter() {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  return std::string(info->test_suite_name()) + "." + info->name();
+}
+
+std::string read_file(const std::string& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+bool is_rank_process() { return std::getenv(kRankVariable) != nullptr; }
+
+void run_processes(int world_size, const std::function<void(int rank)>& body, const MultiRankOptions& options) {
+  if (const char* rank_text = std::getenv(kRankVariable)) {
+    body(std::atoi(rank_text));
+    return;
+  }
+  const int port = detail::pick_free_port();
+  auto log_directory = std::filesystem::temp_directory_path() /
+                       ("fsdp_test_" + std::to_string(::getpid()) + "_" + std::to_string(port));
+  std::filesystem::create_directories(log_directory);
+
+  std::vector<detail::ProcessSpec> specs;
+  auto base = current_process_environment();
+  for (int rank = 0; rank < world_size; ++rank) {
+    detail::ProcessSpec spec;
+    spec.argv = {"/proc/self/exe", "--gtest_filter=" + current_test_filter(), "--gtest_brief=1"};
+    spec.environment = base;
+    spec.environment["RANK"] = std::to_string(rank);
+    spec.environment["WORLD_SIZE"] = std::to_string(world_size);
+    spec.environment["LOCAL_RANK"] = std::to_string(rank);
+    spec.environment["LOCAL_WORLD_SIZE"] = std::to_string(world_size);
+    spec.environment["MASTER_ADDR"] = "127.0.0.1";
+    spec.environment["MASTER_PORT"] = std::to_string(port);
+    spec.environment["OMP_NUM_THREADS"] = "1";
+    spec.environment["FSDP_COLLECTIVE_TIMEOUT"] = std::to_string(options.collective_timeout.count());
+    spec.environment[kRankVariable] = std::to_string(rank);
+    if (options.environment_for_rank) {
+      for (const auto& [name, value] : options.environment_for_rank(rank)) spec.environment[name] = value;
+    }
+    spec.label = "rank " + std::to_string(rank);
+    spec.output = detail::OutputMode::kFile;
+    spec.output_path = (log_directory / ("rank" + std::to_string(rank) + ".log")).string();
+    specs.push_back(std::move(spec));
+  }
+  detail::ProcessSetOptions set_options;
+  set_options.timeout = options.timeout;
+  set_options.forward_signals = false;
+  auto result = detail::run_process_set(specs, set_options);
+
+  bool failed = result.timed_out;
+  for (const auto& outcome : result.outcomes) {
+    if (outcome.exit_code != 0 && !(result.timed_out && outcome.stopped_by_parent)) failed = true;
+  }
+  if (failed) {
+    std::ostringstream report;
+    if (result.timed_out) report << "watchdog: the job ran longer than " << options.timeout.count() << " s\n";
+    for (size_t rank = 0; rank < specs.size(); ++rank) {
+      const auto& outcome = result.outcomes[rank];
+      report << "===== rank " << rank << ": exit code " << outcome.exit_code
+             << (outcome.stopped_by_parent ? (result.timed_out ? " (hung; killed by the watchdog)" : " (stopped after another rank failed)") : "")
+             << " =====\n"
+             << read_file(specs[rank].output_path) << "\n";
+    }
+    ADD_FAILURE() << report.str();
+  }
+  std::error_code ignored;
+  std::filesystem::remove_all(log_directory, ignored);
+}
+
+void run_on_ranks(int world_size, const std::function<void(const DistributedContext&)>& body,
+                  const MultiRankOptions& options) {
+  run_processes(
+      world_size, [&](int) { body(DistributedContext::initialize_from_environment()); }, options);
+}
+
+}  // namespace fsdp::testing

@@ -1,0 +1,40 @@
+// Run a GoogleTest body on N real processes that talk over Gloo on loopback.
+//
+// The parent (the ordinary test process) re-executes this test binary once per rank, filtered to
+// the current test, with torchrun's variables and a free MASTER_PORT, so tests running in parallel
+// never share a port and no rank inherits the parent's threads (fork-safety). Inside a rank,
+// `run_on_ranks` calls the body instead; the rank's process fails the usual gtest way. The parent
+// waits with a watchdog: the first failing rank stops the others, a hang is killed after
+// `timeout`, and every rank's output is attached to the failure.
+#pragma once
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <string>
+
+#include <fsdp/process_group.h>
+
+namespace fsdp::testing {
+
+struct MultiRankOptions {
+  /// Kill every rank and fail when the job runs longer. Default: 120 s.
+  std::chrono::seconds timeout{120};
+  /// FSDP_COLLECTIVE_TIMEOUT inside the ranks, so a lost peer errors before the watchdog. Default: 30 s.
+  std::chrono::seconds collective_timeout{30};
+  /// Extra variables for a given rank (overriding the defaults), e.g. to feed a rank bad input.
+  std::function<std::map<std::string, std::string>(int rank)> environment_for_rank;
+};
+
+/// True inside a rank process started by the harness.
+bool is_rank_process();
+
+/// Runs `body(rank)` on `world_size` processes; the body reads its environment itself.
+void run_processes(int world_size, const std::function<void(int rank)>& body, const MultiRankOptions& options = {});
+
+/// Runs `body(context)` on `world_size` processes, each with a DistributedContext initialized from
+/// the harness's environment.
+void run_on_ranks(int world_size, const std::function<void(const DistributedContext&)>& body,
+                  const MultiRankOptions& options = {});
+
+}  // namespace fsdp::testing

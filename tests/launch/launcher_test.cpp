@@ -1,0 +1,188 @@
+// `fsdp launch` end to end: the real binary starting real processes.
+#include "launch/launcher.h"
+#include "launch/process_set.h"
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <csignal>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <thread>
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+struct CommandResult {
+  int exit_code = -1;
+  std::string output;  // stdout and stderr, interleaved
+};
+
+class LaunchTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    directory_ = fs::temp_directory_path() /
+                 ("fsdp_launch_test_" + std::to_string(::getpid()) + "_" +
+                  ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    fs::remove_all(directory_);
+    fs::create_directories(directory_);
+  }
+  void TearDown() override { fs::remove_all(directory_); }
+
+  CommandResult run(std::vector<std::string> arguments) {
+    detail::ProcessSpec spec;
+    spec.argv = {FSDP_CLI_PATH};
+    spec.argv.insert(spec.argv.end(), arguments.begin(), arguments.end());
+    spec.environment = current_process_environment();
+    spec.environment.erase("OMP_NUM_THREADS");
+    spec.label = "fsdp";
+    spec.output = detail::OutputMode::kFile;
+    spec.output_path = (directory_ / "launcher.log").string();
+    detail::ProcessSetOptions options;
+    options.timeout = std::chrono::seconds(120);
+    options.forward_signals = false;
+    auto result = detail::run_process_set({spec}, options);
+    return {result.outcomes.at(0).exit_code, read(spec.output_path)};
+  }
+
+  static std::string read(const fs::path& path) {
+    std::ifstream file(path);
+    std::stringstream text;
+    text << file.rdbuf();
+    return text.str();
+  }
+
+  std::string path(const std::string& name) const { return (directory_ / name).string(); }
+
+  fs::path directory_;
+};
+
+TEST_F(LaunchTest, SetsTorchrunVariablesForEveryRank) {
+  auto result = run({"launch", "--nproc-per-node", "3", "--master-port", "0", "--", "sh", "-c",
+                     "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $OMP_NUM_THREADS\" > " +
+                         path("rank_") + "$RANK; echo \"$MASTER_PORT\" > " + path("port_") + "$RANK"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    EXPECT_EQ(read(path("rank_" + std::to_string(rank))),
+              std::to_string(rank) + " 3 " + std::to_string(rank) + " 3 0 127.0.0.1 1\n");
+  }
+  const std::string port = read(path("port_0"));
+  EXPECT_NE(port, "0\n");  // --master-port 0 picked a real port
+  EXPECT_EQ(read(path("port_1")), port);
+  EXPECT_EQ(read(path("port_2")), port);
+}
+
+TEST_F(LaunchTest, SecondMachineGetsOffsetRanks) {
+  auto result = run({"launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                     "10.0.0.1", "--master-port", "1234", "--", "sh", "-c",
+                     "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $MASTER_ADDR $MASTER_PORT\" > " + path("rank_") +
+                         "$RANK"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(read(path("rank_2")), "2 4 0 1 10.0.0.1 1234\n");
+  EXPECT_EQ(read(path("rank_3")), "3 4 1 1 10.0.0.1 1234\n");
+}
+
+TEST_F(LaunchTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
+  // Ranks 0 and 2 would sleep for 100 s; rank 1 fails with exit code 3 after they started.
+  const std::string script = "echo $$ > " + path("pid_") + "$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; "
+                             "exec sleep 100";
+  const auto started = std::chrono::steady_clock::now();
+  auto result = run({"launch", "--nproc-per-node", "3", "--master-port", "0", "--termination-grace", "2", "--", "sh",
+                     "-c", script});
+  const auto elapsed = std::chrono::steady_clock::now() - started;
+  EXPECT_EQ(result.exit_code, 3) << result.output;
+  EXPECT_NE(result.output.find("rank 1 (local rank 1) failed with exit code 3"), std::string::npos) << result.output;
+  // The sleeps were stopped rather than waited for.
+  EXPECT_LT(elapsed, std::chrono::seconds(100));
+  for (int rank : {0, 2}) {
+    const pid_t pid = std::stoi(read(path("pid_" + std::to_string(rank))));
+    EXPECT_NE(::kill(pid, 0), 0) << "rank " << rank << " (pid " << pid << ") is still alive";
+  }
+}
+
+TEST_F(LaunchTest, RankKilledBySignalGives128PlusSignal) {
+  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c",
+                     "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 100"});
+  EXPECT_EQ(result.exit_code, 128 + SIGKILL) << result.output;
+}
+
+TEST_F(LaunchTest, InterruptStopsEveryRank) {
+  std::thread interrupter([this] {
+    // The workers record the launcher's pid ($PPID of sh) once they run.
+    for (int attempt = 0; attempt < 600 && !fs::exists(path("ready_1")); ++attempt) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    const std::string launcher_pid = read(path("ready_1"));
+    if (!launcher_pid.empty()) ::kill(std::stoi(launcher_pid), SIGINT);
+  });
+  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c",
+                     "echo $$ > " + path("pid_") + "$RANK; echo $PPID > " + path("ready_") + "$RANK; exec sleep 100"});
+  interrupter.join();
+  EXPECT_EQ(result.exit_code, 128 + SIGINT) << result.output;
+  EXPECT_NE(result.output.find("interrupted"), std::string::npos) << result.output;
+  for (int rank : {0, 1}) {
+    const pid_t pid = std::stoi(read(path("pid_" + std::to_string(rank))));
+    EXPECT_NE(::kill(pid, 0), 0) << "rank " << rank << " is still alive";
+  }
+}
+
+TEST_F(LaunchTest, RankPrefixLabelsEachLine) {
+  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--rank-prefix", "--", "sh", "-c",
+                     "echo hello; echo oops >&2; printf partial"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  for (const char* expected : {"[rank 0]: hello\n", "[rank 1]: hello\n", "[rank 0]: oops\n", "[rank 1]: partial\n"}) {
+    EXPECT_NE(result.output.find(expected), std::string::npos) << expected << " missing from:\n" << result.output;
+  }
+}
+
+TEST_F(LaunchTest, MissingProgramIsAClearError) {
+  auto result = run({"launch", "--nproc-per-node", "2", "--", "no_such_program_fsdp_test"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("program 'no_such_program_fsdp_test' was not found in PATH"), std::string::npos)
+      << result.output;
+  result = run({"launch", "--", path("missing.sh")});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("does not exist or is not an executable file"), std::string::npos) << result.output;
+  result = run({"launch", "--nproc-per-node", "2"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("no program given"), std::string::npos) << result.output;
+}
+
+TEST_F(LaunchTest, InconsistentFlagsAreRejected) {
+  auto result = run({"launch", "--nnodes", "2", "--node-rank", "2", "--", "true"});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("--node-rank 2 must be in [0, --nnodes 2)"), std::string::npos) << result.output;
+  result = run({"launch", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "0", "--", "true"});
+  EXPECT_NE(result.output.find("--master-port 0 picks a port on this machine only"), std::string::npos) << result.output;
+  result = run({"launch", "--nnodes", "2", "--", "true"});
+  EXPECT_NE(result.output.find("is a loopback address"), std::string::npos) << result.output;
+  result = run({"launch", "--nproc-per-node", "zero", "--", "true"});
+  EXPECT_EQ(result.exit_code, 2) << result.output;
+  EXPECT_NE(result.output.find("--nproc-per-node"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("zero"), std::string::npos) << result.output;
+}
+
+TEST_F(LaunchTest, SelftestPassesOnThreeRanksWithBytesAtTheory) {
+  auto result = run({"launch", "--nproc-per-node", "3", "--master-port", "0", "--", FSDP_CLI_PATH, "selftest"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("PASSED"), std::string::npos) << result.output;
+  EXPECT_EQ(result.output.find("MISMATCH"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("all_gather on 'world': sent 8000 bytes of a 12000-byte buffer; theory (N-1)/N x buffer = 8000  ok"),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("reduce_scatter on 'world': sent 8000 bytes"), std::string::npos) << result.output;
+}
+
+TEST_F(LaunchTest, EnvCommandReportsTheParsedLayout) {
+  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--rank-prefix", "--", FSDP_CLI_PATH, "env"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("[rank 1]: parsed:               launcher=torchrun rank=1 world_size=2"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("libtorch version:     1.13"), std::string::npos) << result.output;
+}
+
+}  // namespace
+}  // namespace fsdp

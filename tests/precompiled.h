@@ -1,0 +1,4 @@
+// Precompiled header for the test binary.
+#pragma once
+#include <gtest/gtest.h>
+#include <torch/torch.h>
