@@ -28,6 +28,8 @@ int main(int argc, char** argv) {
       fsdp::cli::add_launch_command(app, command_after_separator),
       fsdp::cli::add_selftest_command(app),
       fsdp::cli::add_env_command(app),
+      fsdp::cli::add_config_command(app),
+      fsdp::cli::add_to_fsdp2_command(app),
   };
   try {
     app.parse(argc, argv);

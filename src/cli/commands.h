@@ -19,5 +19,7 @@ struct Command {
 Command add_launch_command(CLI::App& parent, const std::vector<std::string>& command_after_separator);
 Command add_selftest_command(CLI::App& parent);
 Command add_env_command(CLI::App& parent);
+Command add_config_command(CLI::App& parent);
+Command add_to_fsdp2_command(CLI::App& parent);
 
 }  // namespace fsdp::cli

@@ -3,11 +3,34 @@
 
 #include "launch/launcher.h"
 
+#include <fsdp/accelerate_config.h>
+
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <iostream>
+#include <optional>
 
 namespace fsdp::cli {
+
+namespace {
+
+// Process counts and rendezvous from the file, unless the matching flag was given.
+void apply_config_to_launch(const AccelerateConfig& config, const CLI::App& app, detail::LaunchOptions& options) {
+  const bool nnodes_given = app.count("--nnodes") > 0;
+  if (config.num_machines && !nnodes_given) options.nnodes = *config.num_machines;
+  if (config.num_processes && app.count("--nproc-per-node") == 0) {
+    TORCH_CHECK(*config.num_processes % options.nnodes == 0, "config file '", config.path, "': num_processes ",
+                *config.num_processes, " is not a multiple of num_machines ", options.nnodes,
+                "; every machine runs the same number of processes.");
+    options.nproc_per_node = *config.num_processes / options.nnodes;
+  }
+  if (config.machine_rank && app.count("--node-rank") == 0) options.node_rank = *config.machine_rank;
+  if (config.main_process_ip && app.count("--master-addr") == 0) options.master_addr = *config.main_process_ip;
+  if (config.main_process_port && app.count("--master-port") == 0) options.master_port = static_cast<int>(*config.main_process_port);
+}
+
+}  // namespace
 
 Command add_launch_command(CLI::App& parent, const std::vector<std::string>& command_after_separator) {
   auto options = std::make_shared<detail::LaunchOptions>();
@@ -35,11 +58,37 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
                    "Seconds between SIGTERM and SIGKILL when stopping the other processes")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 60.0));
+  auto config_file = std::make_shared<std::string>();
+  auto use_fsdp = std::make_shared<bool>(false);
+  auto mixed_precision = std::make_shared<std::string>();
+  auto fsdp_flags = std::make_shared<std::map<std::string, std::string>>();
+  app->add_option("--config-file,--config_file", *config_file,
+                  "Accelerate YAML config (`accelerate config` output): process counts, rendezvous and fsdp_config, "
+                  "exported to the processes as FSDP_* variables; flags given here override it");
+  app->add_flag("--use-fsdp,--use_fsdp", *use_fsdp, "Export FSDP settings even without distributed_type: FSDP");
+  app->add_option("--mixed-precision,--mixed_precision", *mixed_precision, "no, fp16, bf16 or fp8 (ACCELERATE_MIXED_PRECISION)");
+  for (const auto& key : known_fsdp_config_keys()) {
+    std::string dashed = key;
+    std::replace(dashed.begin(), dashed.end(), '_', '-');
+    app->add_option_function<std::string>(
+           "--" + dashed + ",--" + key, [fsdp_flags, key](const std::string& value) { (*fsdp_flags)[key] = value; },
+           "Overrides fsdp_config." + key)
+        ->group("FSDP (as accelerate launch)");
+  }
   app->prefix_command();
   app->allow_extras();
   Command command;
   command.app = app;
-  command.run = [app, options, grace_seconds, &command_after_separator] {
+  command.run = [app, options, grace_seconds, &command_after_separator, config_file, use_fsdp, mixed_precision,
+                 fsdp_flags] {
+    std::optional<AccelerateConfig> config;
+    if (!config_file->empty()) {
+      config = load_accelerate_config(*config_file);
+      apply_config_to_launch(*config, *app, *options);
+    }
+    auto fsdp = fsdp_launch_environment(config ? &*config : nullptr, *fsdp_flags, *use_fsdp,
+                                        mixed_precision->empty() ? std::nullopt : std::optional<std::string>(*mixed_precision));
+    options->extra_environment = fsdp.variables;
     options->command = app->remaining();
     TORCH_CHECK(options->command.empty() || command_after_separator.empty(), "fsdp launch: unexpected arguments before `--`: '",
                 options->command.front(), "'; put the program and all its arguments after `--`.");

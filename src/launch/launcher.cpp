@@ -39,6 +39,7 @@ void validate(const LaunchOptions& options) {
 
 EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank) {
   EnvironmentMap environment = base;
+  for (const auto& [name, value] : options.extra_environment) environment[name] = value;
   const int64_t world_size = options.nnodes * options.nproc_per_node;
   const int64_t rank = options.node_rank * options.nproc_per_node + local_rank;
   environment["RANK"] = std::to_string(rank);

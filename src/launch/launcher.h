@@ -31,6 +31,8 @@ struct LaunchOptions {
   std::chrono::milliseconds termination_grace{3000};
   /// The program and its arguments.
   std::vector<std::string> command;
+  /// Variables exported to every process (e.g. FSDP_* from --config-file). Default: none.
+  EnvironmentMap extra_environment;
 };
 
 /// Throws a c10::Error naming the flag, its value and the fix for any inconsistent option.

@@ -115,6 +115,7 @@ TEST(DistributedEnvironment, SlurmNodelistFirstHost) {
 }
 
 struct BadEnvironment {
+  friend std::ostream& operator<<(std::ostream& stream, const BadEnvironment& value) { return stream << value.description; }
   const char* description;
   EnvironmentMap variables;
   std::vector<std::string> message_parts;
@@ -163,7 +164,12 @@ INSTANTIATE_TEST_SUITE_P(
         BadEnvironment{"open mpi rank without size", {{"OMPI_COMM_WORLD_RANK", "0"}}, {"OMPI_COMM_WORLD_SIZE"}},
         BadEnvironment{"slurm bad tasks per node",
                        {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "x"}},
-                       {"SLURM_TASKS_PER_NODE"}}));
+                       {"SLURM_TASKS_PER_NODE"}}),
+    [](const ::testing::TestParamInfo<BadEnvironment>& info) {
+      std::string name;
+      for (const char* c = info.param.description; *c; ++c) name += std::isalnum(static_cast<unsigned char>(*c)) ? *c : '_';
+      return name;
+    });
 
 }  // namespace
 }  // namespace fsdp

@@ -184,5 +184,62 @@ TEST_F(LaunchTest, EnvCommandReportsTheParsedLayout) {
   EXPECT_NE(result.output.find("libtorch version:     1.13"), std::string::npos) << result.output;
 }
 
+TEST_F(LaunchTest, ConfigFileSetsProcessCountsAndExportsFsdpVariables) {
+  {
+    std::ofstream config(path("accelerate.yaml"));
+    config << "distributed_type: FSDP\nnum_processes: 3\nmixed_precision: bf16\nfsdp_config:\n"
+              "  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+              "  fsdp_transformer_layer_cls_to_wrap: Block\n";
+  }
+  // Each launched process resolves the plugin from what it was given.
+  auto result = run({"launch", "--config-file", path("accelerate.yaml"), "--master-port", "0", "--rank-prefix",
+                     "--fsdp-state-dict-type", "FULL_STATE_DICT", "--", FSDP_CLI_PATH, "config", "show"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  for (int rank = 0; rank < 3; ++rank) {
+    const std::string prefix = "[rank " + std::to_string(rank) + "]: ";
+    for (const std::string expected :
+         {"\"value\": 2,", "\"value\": false,", "\"value\": \"FULL_STATE_DICT\",",
+          "\"source\": \"environment variable FSDP_RESHARD_AFTER_FORWARD\"", "  \"Block\""}) {
+      EXPECT_NE(result.output.find(prefix + "    " + expected), std::string::npos)
+          << prefix << expected << " missing from:\n" << result.output;
+    }
+  }
+  EXPECT_EQ(result.output.find("[rank 3]"), std::string::npos) << result.output;
+}
+
+TEST_F(LaunchTest, ConfigFileErrorsStopBeforeLaunching) {
+  {
+    std::ofstream config(path("typo.yaml"));
+    config << "distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: BACKWARD_PRE\n";
+  }
+  auto result = run({"launch", "--config-file", path("typo.yaml"), "--", "sh", "-c", "touch " + path("started")});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("did you mean 'fsdp_backward_prefetch'?"), std::string::npos) << result.output;
+  EXPECT_FALSE(fs::exists(path("started")));
+}
+
+TEST_F(LaunchTest, ToFsdp2Command) {
+  {
+    std::ofstream config(path("v1.yaml"));
+    config << "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_use_orig_params: true\n";
+  }
+  auto result = run({"to-fsdp2", "--config-file", path("v1.yaml")});
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("--output-file PATH, or --overwrite"), std::string::npos) << result.output;
+  result = run({"to-fsdp2", "--config-file", path("v1.yaml"), "--output-file", path("v2.yaml")});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("fsdp_use_orig_params is not used by FSDP version 2; removed."), std::string::npos);
+  const std::string converted = read(path("v2.yaml"));
+  EXPECT_NE(converted.find("fsdp_reshard_after_forward: false"), std::string::npos) << converted;
+  EXPECT_NE(converted.find("fsdp_version: 2"), std::string::npos) << converted;
+  result = run({"to-fsdp2", "--config-file", path("v1.yaml"), "--output-file", path("v2.yaml")});
+  EXPECT_NE(result.output.find("already exists; pass --overwrite"), std::string::npos) << result.output;
+  result = run({"to-fsdp2", "--config-file", path("v1.yaml"), "--overwrite"});
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(read(path("v1.yaml")), converted);
+  result = run({"to-fsdp2", "--config-file", path("missing.yaml"), "--overwrite"});
+  EXPECT_NE(result.output.find("does not exist"), std::string::npos) << result.output;
+}
+
 }  // namespace
 }  // namespace fsdp

@@ -1,0 +1,360 @@
+// Accelerate YAML configs: loading, launcher export (spec §8.2) and to-fsdp2 (spec §8.4).
+#include <fsdp/accelerate_config.h>
+#include <fsdp/plugin.h>
+
+#include <c10/util/Exception.h>
+#include <yaml-cpp/yaml.h>
+
+#include <algorithm>
+#include <fstream>
+#include <sstream>
+
+namespace fsdp {
+namespace {
+
+// Top-level keys fsdp.cpp reads.
+const std::vector<std::string> kHandledKeys = {"distributed_type", "mixed_precision", "num_processes", "num_machines",
+                                               "machine_rank", "main_process_ip", "main_process_port", "fsdp_config"};
+// Keys `accelerate config` writes that do not change an FSDP run here; accepted and not used.
+const std::vector<std::string> kInertKeys = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
+                                             "gpu_ids", "main_training_function", "rdzv_backend", "same_network",
+                                             "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "tpu_name",
+                                             "tpu_zone", "dynamo_backend"};
+// Keys that configure something fsdp.cpp does not do: an error unless empty.
+const std::vector<std::string> kUnsupportedSections = {"deepspeed_config", "megatron_lm_config", "dynamo_config",
+                                                       "ipex_config", "mpirun_config", "fp8_config", "parallelism_config"};
+
+std::string scalar_text(const YAML::Node& node, const std::string& key, const std::string& path) {
+  if (node.IsNull()) return "";
+  if (node.IsScalar()) return node.Scalar();
+  if (node.IsSequence()) {
+    std::string joined;
+    for (const auto& item : node) {
+      TORCH_CHECK(item.IsScalar(), "config file '", path, "': key '", key, "' must be a value or a list of values.");
+      joined += (joined.empty() ? "" : ",") + item.Scalar();
+    }
+    return joined;
+  }
+  TORCH_CHECK(false, "config file '", path, "': key '", key, "' must be a value, not a mapping.");
+}
+
+int64_t integer_value(const YAML::Node& node, const std::string& key, const std::string& path) {
+  const std::string text = scalar_text(node, key, path);
+  size_t used = 0;
+  int64_t value = 0;
+  try {
+    value = std::stoll(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(!text.empty() && used == text.size(), "config file '", path, "': key '", key, "' must be an integer, got '",
+              text, "'.");
+  return value;
+}
+
+std::string upper(std::string text) {
+  for (auto& c : text) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return text;
+}
+
+std::string lower(std::string text) {
+  for (auto& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  return text;
+}
+
+size_t edit_distance(const std::string& left, const std::string& right) {
+  std::vector<size_t> previous(right.size() + 1), current(right.size() + 1);
+  for (size_t j = 0; j <= right.size(); ++j) previous[j] = j;
+  for (size_t i = 1; i <= left.size(); ++i) {
+    current[0] = i;
+    for (size_t j = 1; j <= right.size(); ++j) {
+      current[j] = std::min({previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (left[i - 1] != right[j - 1])});
+    }
+    std::swap(previous, current);
+  }
+  return previous[right.size()];
+}
+
+void reject_unknown_key(const std::string& key, const std::vector<std::string>& candidates, const std::string& where,
+                        const std::string& path) {
+  std::string suggestion = did_you_mean(key, candidates);
+  std::string known;
+  for (const auto& candidate : candidates) known += (known.empty() ? "" : ", ") + candidate;
+  TORCH_CHECK(false, "config file '", path, "': unknown key '", key, "'", where,
+              suggestion.empty() ? "" : "; did you mean '" + suggestion + "'?", " Known keys: ", known, ".");
+}
+
+std::string normalized_fsdp_key(const std::string& key) { return key.rfind("fsdp", 0) == 0 ? key : "fsdp_" + key; }
+
+// Emits `node` keeping the quotes of quoted scalars, so 'no' stays a string and does not turn
+// into the boolean `no` for the next YAML 1.1 reader (PyYAML, i.e. Accelerate).
+void emit_preserving_quotes(YAML::Emitter& emitter, const YAML::Node& node) {
+  switch (node.Type()) {
+    case YAML::NodeType::Map:
+      emitter << YAML::BeginMap;
+      for (const auto& entry : node) {
+        emitter << YAML::Key;
+        emit_preserving_quotes(emitter, entry.first);
+        emitter << YAML::Value;
+        emit_preserving_quotes(emitter, entry.second);
+      }
+      emitter << YAML::EndMap;
+      break;
+    case YAML::NodeType::Sequence:
+      if (node.size() == 0) emitter << YAML::Flow;  // `key: []`, as PyYAML writes it
+      emitter << YAML::BeginSeq;
+      for (const auto& item : node) emit_preserving_quotes(emitter, item);
+      emitter << YAML::EndSeq;
+      break;
+    case YAML::NodeType::Scalar:
+      if (node.Tag() == "!") emitter << YAML::SingleQuoted;
+      emitter << node.Scalar();
+      break;
+    default:
+      emitter << YAML::Null;
+  }
+}
+
+}  // namespace
+
+std::string did_you_mean(const std::string& word, const std::vector<std::string>& candidates) {
+  std::string best;
+  size_t best_distance = std::string::npos;
+  for (const auto& candidate : candidates) {
+    size_t distance = edit_distance(word, candidate);
+    // A candidate that is a prefix or extension of the word also counts (fsdp_backward_prefetch_policy).
+    if (word.rfind(candidate, 0) == 0 || candidate.rfind(word, 0) == 0) distance = std::min(distance, size_t{2});
+    if (distance < best_distance) {
+      best_distance = distance;
+      best = candidate;
+    }
+  }
+  return best_distance <= std::max<size_t>(2, word.size() / 4) ? best : "";
+}
+
+const std::vector<std::string>& known_fsdp_config_keys() {
+  static const std::vector<std::string> keys = {
+      "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
+      "fsdp_min_num_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch",
+      "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
+      "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_ignored_modules"};
+  return keys;
+}
+
+AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& error) {
+    TORCH_CHECK(false, "config file '", path, "' is not valid YAML: ", error.what(), ".");
+  }
+  TORCH_CHECK(root.IsMap(), "config file '", path, "' must be a YAML mapping of keys to values (as `accelerate config` "
+                            "writes); it is ", root.IsNull() ? "empty" : "not a mapping", ".");
+  AccelerateConfig config;
+  config.path = path;
+  std::vector<std::string> all_keys = kHandledKeys;
+  all_keys.insert(all_keys.end(), kInertKeys.begin(), kInertKeys.end());
+  all_keys.insert(all_keys.end(), kUnsupportedSections.begin(), kUnsupportedSections.end());
+  for (const auto& entry : root) {
+    const std::string key = entry.first.as<std::string>();
+    const YAML::Node& value = entry.second;
+    if (std::find(kUnsupportedSections.begin(), kUnsupportedSections.end(), key) != kUnsupportedSections.end()) {
+      TORCH_CHECK(value.IsNull() || (value.IsMap() && value.size() == 0), "config file '", path, "': key '", key,
+                  "' configures a feature fsdp.cpp does not provide; remove it (fsdp.cpp runs FSDP only).");
+      continue;
+    }
+    if (std::find(kInertKeys.begin(), kInertKeys.end(), key) != kInertKeys.end()) {
+      if (key == "rdzv_backend") {
+        const std::string backend = lower(scalar_text(value, key, path));
+        TORCH_CHECK(backend.empty() || backend == "static", "config file '", path, "': rdzv_backend '", backend,
+                    "' is not supported; fsdp launch uses static rendezvous (rank 0 hosts the store). Use 'static'.");
+      }
+      if (key == "compute_environment") {
+        const std::string environment = upper(scalar_text(value, key, path));
+        TORCH_CHECK(environment.empty() || environment == "LOCAL_MACHINE", "config file '", path,
+                    "': compute_environment '", environment, "' is not supported; use LOCAL_MACHINE.");
+      }
+      continue;
+    }
+    if (key == "distributed_type") {
+      config.distributed_type = upper(scalar_text(value, key, path));
+      const std::vector<std::string> accepted = {"FSDP", "MULTI_CPU", "MULTI_GPU", "NO"};
+      TORCH_CHECK(std::find(accepted.begin(), accepted.end(), *config.distributed_type) != accepted.end(),
+                  "config file '", path, "': distributed_type '", *config.distributed_type,
+                  "' is not supported by fsdp.cpp; expected one of FSDP, MULTI_CPU, MULTI_GPU, NO.");
+    } else if (key == "mixed_precision") {
+      config.mixed_precision = lower(scalar_text(value, key, path));
+      if (*config.mixed_precision != "no") mixed_precision_dtype(*config.mixed_precision, "config file '" + path + "': mixed_precision");
+    } else if (key == "num_processes") {
+      config.num_processes = integer_value(value, key, path);
+    } else if (key == "num_machines") {
+      config.num_machines = integer_value(value, key, path);
+    } else if (key == "machine_rank") {
+      config.machine_rank = integer_value(value, key, path);
+    } else if (key == "main_process_ip") {
+      config.main_process_ip = scalar_text(value, key, path);
+    } else if (key == "main_process_port") {
+      config.main_process_port = integer_value(value, key, path);
+    } else if (key == "fsdp_config") {
+      if (value.IsNull()) continue;
+      TORCH_CHECK(value.IsMap(), "config file '", path, "': fsdp_config must be a mapping of fsdp_* keys.");
+      for (const auto& fsdp_entry : value) {
+        const std::string raw_key = fsdp_entry.first.as<std::string>();
+        const std::string fsdp_key = normalized_fsdp_key(raw_key);
+        const auto& known = known_fsdp_config_keys();
+        if (std::find(known.begin(), known.end(), fsdp_key) == known.end()) {
+          reject_unknown_key(raw_key, known, " in fsdp_config", path);
+        }
+        config.fsdp_config[fsdp_key] = scalar_text(fsdp_entry.second, "fsdp_config." + raw_key, path);
+      }
+    } else {
+      reject_unknown_key(key, all_keys, " at the top level", path);
+    }
+  }
+  return config;
+}
+
+AccelerateConfig load_accelerate_config(const std::string& path) {
+  std::ifstream file(path);
+  TORCH_CHECK(file.good(), "config file '", path, "' cannot be read: no such file or no permission.");
+  std::stringstream text;
+  text << file.rdbuf();
+  return parse_accelerate_config(text.str(), path);
+}
+
+FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, const std::map<std::string, std::string>& flags,
+                                              bool use_fsdp_flag, const std::optional<std::string>& mixed_precision_flag) {
+  FsdpLaunchEnvironment result;
+  result.use_fsdp = use_fsdp_flag || (config && config->distributed_type == std::string("FSDP"));
+  if (!result.use_fsdp) {
+    TORCH_CHECK(flags.empty(), "fsdp launch: --", flags.begin()->first,
+                " was given but FSDP is not on; add --use-fsdp or set distributed_type: FSDP in the config file.");
+    return result;
+  }
+  // Flags override the file (spec §8.1); remember which one spoke for each key.
+  std::map<std::string, std::pair<std::string, std::string>> settings;  // key -> (value, origin)
+  if (config) {
+    for (const auto& [key, value] : config->fsdp_config) settings[key] = {value, "fsdp_config." + key + " in " + config->path};
+  }
+  for (const auto& [key, value] : flags) {
+    std::string flag = key;
+    std::replace(flag.begin(), flag.end(), '_', '-');
+    settings[key] = {value, "--" + flag + " flag"};
+  }
+  auto value_of = [&](const std::string& key) -> std::optional<std::pair<std::string, std::string>> {
+    auto found = settings.find(key);
+    if (found == settings.end()) return std::nullopt;
+    return found->second;
+  };
+  auto set = [&](const std::string& variable, const std::string& value, const std::string& origin) {
+    result.variables[variable] = value;
+    result.origins[variable] = origin;
+  };
+  auto set_from = [&](const std::string& variable, const std::string& key, const std::optional<std::string>& fallback,
+                      bool lowercase) {
+    if (auto found = value_of(key)) set(variable, lowercase ? lower(found->first) : found->first, found->second);
+    else if (fallback) set(variable, *fallback, "launcher default");
+  };
+
+  set("ACCELERATE_USE_FSDP", "true", "fsdp launch");
+  set_from("FSDP_VERSION", "fsdp_version", std::string("1"), false);
+  const std::string version = result.variables["FSDP_VERSION"];
+  // Quirk Q1: Accelerate exports FULL_SHARD here even when a version-1 file names its strategy
+  // under fsdp_reshard_after_forward (which is where `accelerate config` writes it).
+  auto strategy = value_of("fsdp_sharding_strategy");
+  auto reshard = value_of("fsdp_reshard_after_forward");
+  const bool reshard_is_bool = reshard && (lower(reshard->first) == "true" || lower(reshard->first) == "false");
+  if (strategy) set("FSDP_SHARDING_STRATEGY", strategy->first, strategy->second);
+  else if (version == "1" && reshard && !reshard_is_bool) set("FSDP_SHARDING_STRATEGY", reshard->first, reshard->second);
+  else set("FSDP_SHARDING_STRATEGY", "FULL_SHARD", "launcher default");
+  set_from("FSDP_RESHARD_AFTER_FORWARD", "fsdp_reshard_after_forward", std::string("true"), true);
+  set_from("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", std::string("false"), true);
+  set_from("FSDP_MIN_NUM_PARAMS", "fsdp_min_num_params", std::string("100000000"), false);
+  set_from("FSDP_AUTO_WRAP_POLICY", "fsdp_auto_wrap_policy", std::nullopt, false);
+  set_from("FSDP_TRANSFORMER_CLS_TO_WRAP", "fsdp_transformer_layer_cls_to_wrap", std::nullopt, false);
+  set_from("FSDP_BACKWARD_PREFETCH", "fsdp_backward_prefetch", std::nullopt, false);
+  set_from("FSDP_STATE_DICT_TYPE", "fsdp_state_dict_type", std::nullopt, false);
+  set_from("FSDP_FORWARD_PREFETCH", "fsdp_forward_prefetch", std::string("false"), true);
+  set_from("FSDP_USE_ORIG_PARAMS", "fsdp_use_orig_params", std::string("true"), true);
+  set_from("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading", std::string("true"), true);
+  set_from("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states", std::string("true"), true);
+  set_from("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing", std::string("false"), true);
+  set_from("FSDP_IGNORED_MODULES", "fsdp_ignored_modules", std::nullopt, false);
+  if (mixed_precision_flag) set("ACCELERATE_MIXED_PRECISION", lower(*mixed_precision_flag), "--mixed-precision flag");
+  else if (config && config->mixed_precision) set("ACCELERATE_MIXED_PRECISION", *config->mixed_precision, "mixed_precision in " + config->path);
+
+  auto describe = [&](const std::string& variable) { return variable + " (from " + result.origins[variable] + ")"; };
+  if (version == "1") {
+    const bool ram_efficient = parse_bool(result.variables["FSDP_CPU_RAM_EFFICIENT_LOADING"], describe("FSDP_CPU_RAM_EFFICIENT_LOADING"));
+    const bool sync = parse_bool(result.variables["FSDP_SYNC_MODULE_STATES"], describe("FSDP_SYNC_MODULE_STATES"));
+    TORCH_CHECK(!ram_efficient || sync, "fsdp launch: fsdp_cpu_ram_efficient_loading is true (",
+                result.origins["FSDP_CPU_RAM_EFFICIENT_LOADING"], ") but fsdp_sync_module_states is false (",
+                result.origins["FSDP_SYNC_MODULE_STATES"],
+                "); with RAM-efficient loading only rank 0 has the weights, so set fsdp_sync_module_states to true.");
+  }
+  // Check every value now, in the launcher, where the error can name the YAML key or flag.
+  resolve_plugin(FullyShardedDataParallelPluginArgs{}, result.variables, result.origins);
+  return result;
+}
+
+Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std::string& path) {
+  YAML::Node root;
+  try {
+    root = YAML::Load(yaml_text);
+  } catch (const YAML::Exception& error) {
+    TORCH_CHECK(false, "config file '", path, "' is not valid YAML: ", error.what(), ".");
+  }
+  TORCH_CHECK(!root.IsNull(), "config file '", path, "' is empty.");
+  parse_accelerate_config(yaml_text, path);  // the same key checks as launch
+  Fsdp2Conversion conversion;
+  YAML::Node fsdp = root["fsdp_config"];
+  if (!fsdp || fsdp.IsNull()) {
+    conversion.warnings.push_back("'" + path + "' has no fsdp_config; nothing to convert.");
+  } else if (fsdp["fsdp_version"] && fsdp["fsdp_version"].Scalar() == "2") {
+    conversion.warnings.push_back("'" + path + "' is already fsdp_version 2; nothing to convert.");
+  } else {
+    auto to_bool = [&](const std::string& key, const std::string& value) -> bool {
+      const std::string name = upper(value);
+      if (name == "FULL_SHARD" || name == "1" || name == "HYBRID_SHARD" || name == "4" || lower(value) == "true") return true;
+      if (name == "SHARD_GRAD_OP" || name == "2" || name == "NO_SHARD" || name == "3" || name == "HYBRID_SHARD_ZERO2" ||
+          name == "5" || lower(value) == "false")
+        return false;
+      TORCH_CHECK(false, "config file '", path, "': fsdp_config.", key, " = '", value,
+                  "' is not a sharding strategy; expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
+                  "HYBRID_SHARD_ZERO2.");
+    };
+    YAML::Node converted(YAML::NodeType::Map);
+    for (const auto& entry : fsdp) {
+      const std::string raw_key = entry.first.as<std::string>();
+      const std::string key = normalized_fsdp_key(raw_key);
+      const std::string value = entry.second.IsScalar() ? entry.second.Scalar() : "";
+      if (key == "fsdp_sharding_strategy" || key == "fsdp_reshard_after_forward") {
+        if (key == "fsdp_sharding_strategy" && fsdp["fsdp_reshard_after_forward"]) continue;  // the newer key wins
+        converted["fsdp_reshard_after_forward"] = to_bool(raw_key, value);
+        if (key == "fsdp_sharding_strategy") {
+          conversion.warnings.push_back("fsdp_sharding_strategy: " + value + " became fsdp_reshard_after_forward: " +
+                                        (to_bool(raw_key, value) ? "true" : "false") + ".");
+        }
+      } else if (key == "fsdp_backward_prefetch" || key == "fsdp_sync_module_states" || key == "fsdp_use_orig_params") {
+        conversion.warnings.push_back(key + " is not used by FSDP version 2; removed.");
+      } else if (key == "fsdp_forward_prefetch") {
+        conversion.warnings.push_back("fsdp_forward_prefetch is not implemented for FSDP version 2; removed.");
+      } else if (key == "fsdp_version") {
+        continue;
+      } else {
+        TORCH_CHECK(!(key == "fsdp_state_dict_type" && (upper(value) == "LOCAL_STATE_DICT" || value == "2")),
+                    "config file '", path, "': fsdp_state_dict_type LOCAL_STATE_DICT does not exist in FSDP version 2; "
+                    "set it to SHARDED_STATE_DICT or FULL_STATE_DICT before converting.");
+        converted[raw_key] = entry.second;
+      }
+    }
+    converted["fsdp_version"] = 2;
+    root["fsdp_config"] = converted;
+  }
+  YAML::Emitter emitter;
+  emit_preserving_quotes(emitter, root);
+  conversion.yaml = std::string(emitter.c_str()) + "\n";
+  return conversion;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,50 @@
+#include "io/atomic_file.h"
+
+#include <c10/util/Exception.h>
+
+#include <cerrno>
+#include <cstring>
+#include <fcntl.h>
+#include <filesystem>
+#include <unistd.h>
+
+namespace fsdp::detail {
+
+void write_file_atomically(const std::string& path, const std::string& contents) {
+  const std::filesystem::path target(path);
+  const auto directory = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
+  const std::string temporary = (directory / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
+  int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  TORCH_CHECK(fd >= 0, "writing '", path, "': cannot create temporary file '", temporary, "': ", std::strerror(errno));
+  auto fail = [&](const char* step) {
+    const int error = errno;
+    ::close(fd);
+    ::unlink(temporary.c_str());
+    TORCH_CHECK(false, "writing '", path, "': ", step, " failed: ", std::strerror(error), "; the file is unchanged.");
+  };
+  size_t written = 0;
+  while (written < contents.size()) {
+    ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) fail("write");
+    written += static_cast<size_t>(n);
+  }
+  if (::fsync(fd) != 0) fail("fsync");
+  if (::close(fd) != 0) {
+    const int error = errno;
+    ::unlink(temporary.c_str());
+    TORCH_CHECK(false, "writing '", path, "': close failed: ", std::strerror(error), "; the file is unchanged.");
+  }
+  if (::rename(temporary.c_str(), path.c_str()) != 0) {
+    const int error = errno;
+    ::unlink(temporary.c_str());
+    TORCH_CHECK(false, "writing '", path, "': rename failed: ", std::strerror(error), "; the file is unchanged.");
+  }
+  int directory_fd = ::open(directory.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (directory_fd >= 0) {
+    ::fsync(directory_fd);  // makes the rename durable; best effort on filesystems that refuse
+    ::close(directory_fd);
+  }
+}
+
+}  // namespace fsdp::detail

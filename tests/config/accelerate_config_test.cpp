@@ -1,0 +1,155 @@
+// Accelerate YAML configs: loading, strict keys, launcher export and to-fsdp2.
+#include <fsdp/accelerate_config.h>
+#include <fsdp/plugin.h>
+
+#include <c10/util/Exception.h>
+#include <gtest/gtest.h>
+
+#include <fstream>
+#include <sstream>
+
+namespace fsdp {
+namespace {
+
+std::string read_data(const std::string& name) {
+  std::ifstream file(std::string(FSDP_TEST_DATA_DIR) + "/" + name);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+std::string message_of(const std::function<void()>& body) {
+  try {
+    body();
+  } catch (const c10::Error& error) {
+    return error.what_without_backtrace();
+  }
+  return "";
+}
+
+TEST(AccelerateConfig, LoadsAccelerateOutput) {
+  auto config = parse_accelerate_config(read_data("accelerate_fsdp1.yaml"), "fsdp1.yaml");
+  EXPECT_EQ(config.distributed_type, "FSDP");
+  EXPECT_EQ(config.mixed_precision, "bf16");
+  EXPECT_EQ(config.num_processes, 2);
+  EXPECT_EQ(config.num_machines, 1);
+  EXPECT_EQ(config.fsdp_config.at("fsdp_reshard_after_forward"), "SHARD_GRAD_OP");
+  EXPECT_EQ(config.fsdp_config.at("fsdp_cpu_ram_efficient_loading"), "true");
+}
+
+TEST(AccelerateConfig, KeysWithoutPrefixGetIt) {
+  auto config = parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  version: 2\n  offload_params: true\n", "f.yaml");
+  EXPECT_EQ(config.fsdp_config.at("fsdp_version"), "2");
+  EXPECT_EQ(config.fsdp_config.at("fsdp_offload_params"), "true");
+}
+
+TEST(AccelerateConfig, UnknownKeysAreRejectedWithSuggestions) {
+  auto message = message_of([] {
+    parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: BACKWARD_PRE\n", "a.yaml");
+  });
+  EXPECT_NE(message.find("'a.yaml': unknown key 'fsdp_backward_prefetch_policy' in fsdp_config; did you mean "
+                         "'fsdp_backward_prefetch'?"),
+            std::string::npos)
+      << message;
+  message = message_of([] { parse_accelerate_config("num_proceses: 2\n", "b.yaml"); });
+  EXPECT_NE(message.find("unknown key 'num_proceses' at the top level; did you mean 'num_processes'?"), std::string::npos)
+      << message;
+  message = message_of([] { parse_accelerate_config("zzz_unrelated: 1\n", "c.yaml"); });
+  EXPECT_NE(message.find("unknown key 'zzz_unrelated'"), std::string::npos) << message;
+  EXPECT_EQ(message.find("did you mean"), std::string::npos) << message;
+}
+
+TEST(AccelerateConfig, UnsupportedFeaturesAndBadValuesAreErrors) {
+  EXPECT_NE(message_of([] { parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "d.yaml"); })
+                .find("'deepspeed_config' configures a feature fsdp.cpp does not provide"),
+            std::string::npos);
+  EXPECT_TRUE(message_of([] { parse_accelerate_config("deepspeed_config: {}\n", "d.yaml"); }).empty());
+  EXPECT_NE(message_of([] { parse_accelerate_config("distributed_type: DEEPSPEED\n", "e.yaml"); }).find("FSDP, MULTI_CPU"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { parse_accelerate_config("num_processes: two\n", "f.yaml"); })
+                .find("'f.yaml': key 'num_processes' must be an integer, got 'two'"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { parse_accelerate_config("rdzv_backend: c10d\n", "g.yaml"); }).find("static rendezvous"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { parse_accelerate_config("mixed_precision: fp4\n", "h.yaml"); }).find("fp8, fp16, bf16, fp32"),
+            std::string::npos);
+  EXPECT_NE(message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"), std::string::npos);
+  EXPECT_NE(message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"), std::string::npos);
+}
+
+TEST(AccelerateConfig, LaunchExportMatchesAccelerate) {
+  auto config = parse_accelerate_config(read_data("accelerate_fsdp1.yaml"), "fsdp1.yaml");
+  auto exported = fsdp_launch_environment(&config, {{"fsdp_offload_params", "True"}}, false, std::nullopt);
+  ASSERT_TRUE(exported.use_fsdp);
+  const auto& variables = exported.variables;
+  EXPECT_EQ(variables.at("ACCELERATE_USE_FSDP"), "true");
+  EXPECT_EQ(variables.at("FSDP_VERSION"), "1");
+  EXPECT_EQ(variables.at("FSDP_SHARDING_STRATEGY"), "SHARD_GRAD_OP");  // Accelerate exports FULL_SHARD (Q1)
+  EXPECT_EQ(variables.at("FSDP_OFFLOAD_PARAMS"), "true");              // the flag beats the file, lowercased
+  EXPECT_EQ(exported.origins.at("FSDP_OFFLOAD_PARAMS"), "--fsdp-offload-params flag");
+  EXPECT_EQ(variables.at("FSDP_MIN_NUM_PARAMS"), "100000000");          // launcher default
+  EXPECT_EQ(variables.at("FSDP_STATE_DICT_TYPE"), "SHARDED_STATE_DICT");
+  EXPECT_EQ(exported.origins.at("FSDP_STATE_DICT_TYPE"), "fsdp_config.fsdp_state_dict_type in fsdp1.yaml");
+  EXPECT_EQ(variables.at("FSDP_TRANSFORMER_CLS_TO_WRAP"), "LlamaDecoderLayer, MLPBlock");
+  EXPECT_EQ(variables.at("ACCELERATE_MIXED_PRECISION"), "bf16");
+  EXPECT_EQ(variables.count("FSDP_IGNORED_MODULES"), 0u);
+  // The processes resolve what was exported to what the file says.
+  auto plugin = resolve_plugin({}, variables);
+  EXPECT_EQ(plugin.sharding_strategy, ShardingStrategy::kShardGradOp);
+  EXPECT_TRUE(plugin.cpu_offload.offload_params);
+  EXPECT_EQ(*plugin.transformer_cls_names_to_wrap, (std::vector<std::string>{"LlamaDecoderLayer", "MLPBlock"}));
+}
+
+TEST(AccelerateConfig, LaunchExportErrorsNameTheKeyAndFile) {
+  auto config = parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: FULL\n", "bad.yaml");
+  auto message = message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
+  EXPECT_NE(message.find("state_dict_type='FULL' (from environment variable FSDP_STATE_DICT_TYPE set from "
+                         "fsdp_config.fsdp_state_dict_type in bad.yaml)"),
+            std::string::npos)
+      << message;
+  config = parse_accelerate_config(
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_cpu_ram_efficient_loading: true\n  fsdp_sync_module_states: false\n", "c.yaml");
+  message = message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
+  EXPECT_NE(message.find("set fsdp_sync_module_states to true"), std::string::npos) << message;
+  message = message_of([] { fsdp_launch_environment(nullptr, {{"fsdp_version", "2"}}, false, std::nullopt); });
+  EXPECT_NE(message.find("--fsdp_version was given but FSDP is not on"), std::string::npos) << message;
+}
+
+TEST(AccelerateConfig, NoFsdpNoExport) {
+  auto config = parse_accelerate_config("distributed_type: MULTI_CPU\nnum_processes: 2\n", "m.yaml");
+  EXPECT_TRUE(fsdp_launch_environment(&config, {}, false, std::nullopt).variables.empty());
+  EXPECT_EQ(fsdp_launch_environment(nullptr, {}, true, std::nullopt).variables.at("FSDP_VERSION"), "1");
+}
+
+TEST(AccelerateConfig, ToFsdp2MatchesAccelerate) {
+  auto conversion = convert_config_to_fsdp2(read_data("accelerate_fsdp1.yaml"), "fsdp1.yaml");
+  EXPECT_EQ(conversion.yaml, read_data("accelerate_fsdp2_expected.yaml"));
+  EXPECT_EQ(conversion.warnings.size(), 4u);
+  auto converted = parse_accelerate_config(conversion.yaml, "out.yaml");
+  EXPECT_EQ(converted.fsdp_config.at("fsdp_version"), "2");
+  EXPECT_EQ(converted.fsdp_config.at("fsdp_reshard_after_forward"), "false");
+  auto plugin = resolve_plugin({}, fsdp_launch_environment(&converted, {}, false, std::nullopt).variables);
+  EXPECT_EQ(plugin.fsdp_version, 2);
+  EXPECT_FALSE(plugin.reshard_after_forward);
+}
+
+TEST(AccelerateConfig, ToFsdp2StrategyMappingAndEdgeCases) {
+  for (const auto& [strategy, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"FULL_SHARD", "true"}, {"SHARD_GRAD_OP", "false"}, {"HYBRID_SHARD", "true"}, {"HYBRID_SHARD_ZERO2", "false"},
+           {"NO_SHARD", "false"}, {"1", "true"}}) {
+    auto yaml = convert_config_to_fsdp2("fsdp_config:\n  fsdp_sharding_strategy: " + strategy + "\n", "s.yaml").yaml;
+    EXPECT_NE(yaml.find("fsdp_reshard_after_forward: " + expected), std::string::npos) << strategy << ":\n" << yaml;
+    EXPECT_EQ(yaml.find("fsdp_sharding_strategy"), std::string::npos) << yaml;
+  }
+  auto unchanged = convert_config_to_fsdp2("fsdp_config:\n  fsdp_version: 2\n", "v2.yaml");
+  EXPECT_NE(unchanged.warnings.at(0).find("already fsdp_version 2"), std::string::npos);
+  auto no_fsdp = convert_config_to_fsdp2("num_processes: 2\n", "n.yaml");
+  EXPECT_NE(no_fsdp.warnings.at(0).find("no fsdp_config"), std::string::npos);
+  EXPECT_NE(message_of([] { convert_config_to_fsdp2("", "empty.yaml"); }).find("is empty"), std::string::npos);
+  EXPECT_NE(message_of([] { convert_config_to_fsdp2("fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n", "l.yaml"); })
+                .find("LOCAL_STATE_DICT does not exist in FSDP version 2"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace fsdp
