@@ -2,6 +2,8 @@
 #include <fsdp/accelerate_config.h>
 #include <fsdp/plugin.h>
 
+#include "config/text.h"
+
 #include <c10/util/Exception.h>
 #include <yaml-cpp/yaml.h>
 
@@ -50,16 +52,6 @@ int64_t integer_value(const YAML::Node& node, const std::string& key, const std:
   TORCH_CHECK(!text.empty() && used == text.size(), "config file '", path, "': key '", key, "' must be an integer, got '",
               text, "'.");
   return value;
-}
-
-std::string upper(std::string text) {
-  for (auto& c : text) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return text;
-}
-
-std::string lower(std::string text) {
-  for (auto& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return text;
 }
 
 size_t edit_distance(const std::string& left, const std::string& right) {
@@ -165,25 +157,25 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
     }
     if (std::find(kInertKeys.begin(), kInertKeys.end(), key) != kInertKeys.end()) {
       if (key == "rdzv_backend") {
-        const std::string backend = lower(scalar_text(value, key, path));
+        const std::string backend = detail::to_lower(scalar_text(value, key, path));
         TORCH_CHECK(backend.empty() || backend == "static", "config file '", path, "': rdzv_backend '", backend,
                     "' is not supported; fsdp launch uses static rendezvous (rank 0 hosts the store). Use 'static'.");
       }
       if (key == "compute_environment") {
-        const std::string environment = upper(scalar_text(value, key, path));
+        const std::string environment = detail::to_upper(scalar_text(value, key, path));
         TORCH_CHECK(environment.empty() || environment == "LOCAL_MACHINE", "config file '", path,
                     "': compute_environment '", environment, "' is not supported; use LOCAL_MACHINE.");
       }
       continue;
     }
     if (key == "distributed_type") {
-      config.distributed_type = upper(scalar_text(value, key, path));
+      config.distributed_type = detail::to_upper(scalar_text(value, key, path));
       const std::vector<std::string> accepted = {"FSDP", "MULTI_CPU", "MULTI_GPU", "NO"};
       TORCH_CHECK(std::find(accepted.begin(), accepted.end(), *config.distributed_type) != accepted.end(),
                   "config file '", path, "': distributed_type '", *config.distributed_type,
                   "' is not supported by fsdp.cpp; expected one of FSDP, MULTI_CPU, MULTI_GPU, NO.");
     } else if (key == "mixed_precision") {
-      config.mixed_precision = lower(scalar_text(value, key, path));
+      config.mixed_precision = detail::to_lower(scalar_text(value, key, path));
       if (*config.mixed_precision != "no") mixed_precision_dtype(*config.mixed_precision, "config file '" + path + "': mixed_precision");
     } else if (key == "num_processes") {
       config.num_processes = integer_value(value, key, path);
@@ -252,7 +244,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   };
   auto set_from = [&](const std::string& variable, const std::string& key, const std::optional<std::string>& fallback,
                       bool lowercase) {
-    if (auto found = value_of(key)) set(variable, lowercase ? lower(found->first) : found->first, found->second);
+    if (auto found = value_of(key)) set(variable, lowercase ? detail::to_lower(found->first) : found->first, found->second);
     else if (fallback) set(variable, *fallback, "launcher default");
   };
 
@@ -263,7 +255,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   // under fsdp_reshard_after_forward (which is where `accelerate config` writes it).
   auto strategy = value_of("fsdp_sharding_strategy");
   auto reshard = value_of("fsdp_reshard_after_forward");
-  const bool reshard_is_bool = reshard && (lower(reshard->first) == "true" || lower(reshard->first) == "false");
+  const bool reshard_is_bool = reshard && (detail::to_lower(reshard->first) == "true" || detail::to_lower(reshard->first) == "false");
   if (strategy) set("FSDP_SHARDING_STRATEGY", strategy->first, strategy->second);
   else if (version == "1" && reshard && !reshard_is_bool) set("FSDP_SHARDING_STRATEGY", reshard->first, reshard->second);
   else set("FSDP_SHARDING_STRATEGY", "FULL_SHARD", "launcher default");
@@ -280,7 +272,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   set_from("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states", std::string("true"), true);
   set_from("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing", std::string("false"), true);
   set_from("FSDP_IGNORED_MODULES", "fsdp_ignored_modules", std::nullopt, false);
-  if (mixed_precision_flag) set("ACCELERATE_MIXED_PRECISION", lower(*mixed_precision_flag), "--mixed-precision flag");
+  if (mixed_precision_flag) set("ACCELERATE_MIXED_PRECISION", detail::to_lower(*mixed_precision_flag), "--mixed-precision flag");
   else if (config && config->mixed_precision) set("ACCELERATE_MIXED_PRECISION", *config->mixed_precision, "mixed_precision in " + config->path);
 
   auto describe = [&](const std::string& variable) { return variable + " (from " + result.origins[variable] + ")"; };
@@ -314,10 +306,10 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
     conversion.warnings.push_back("'" + path + "' is already fsdp_version 2; nothing to convert.");
   } else {
     auto to_bool = [&](const std::string& key, const std::string& value) -> bool {
-      const std::string name = upper(value);
-      if (name == "FULL_SHARD" || name == "1" || name == "HYBRID_SHARD" || name == "4" || lower(value) == "true") return true;
+      const std::string name = detail::to_upper(value);
+      if (name == "FULL_SHARD" || name == "1" || name == "HYBRID_SHARD" || name == "4" || detail::to_lower(value) == "true") return true;
       if (name == "SHARD_GRAD_OP" || name == "2" || name == "NO_SHARD" || name == "3" || name == "HYBRID_SHARD_ZERO2" ||
-          name == "5" || lower(value) == "false")
+          name == "5" || detail::to_lower(value) == "false")
         return false;
       TORCH_CHECK(false, "config file '", path, "': fsdp_config.", key, " = '", value,
                   "' is not a sharding strategy; expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
@@ -342,7 +334,7 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
       } else if (key == "fsdp_version") {
         continue;
       } else {
-        TORCH_CHECK(!(key == "fsdp_state_dict_type" && (upper(value) == "LOCAL_STATE_DICT" || value == "2")),
+        TORCH_CHECK(!(key == "fsdp_state_dict_type" && (detail::to_upper(value) == "LOCAL_STATE_DICT" || value == "2")),
                     "config file '", path, "': fsdp_state_dict_type LOCAL_STATE_DICT does not exist in FSDP version 2; "
                     "set it to SHARDED_STATE_DICT or FULL_STATE_DICT before converting.");
         converted[raw_key] = entry.second;

@@ -2,6 +2,8 @@
 // step by step, with the deliberate fixes listed in include/fsdp/plugin.h.
 #include <fsdp/plugin.h>
 
+#include "config/text.h"
+
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
@@ -12,23 +14,6 @@
 
 namespace fsdp {
 namespace {
-
-std::string upper(std::string text) {
-  for (auto& c : text) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return text;
-}
-
-std::string lower(std::string text) {
-  for (auto& c : text) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
-  return text;
-}
-
-std::string trim(const std::string& text) {
-  const auto first = text.find_first_not_of(" \t\r\n");
-  if (first == std::string::npos) return "";
-  const auto last = text.find_last_not_of(" \t\r\n");
-  return text.substr(first, last - first + 1);
-}
 
 bool is_digits(const std::string& text) {
   return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
@@ -47,7 +32,7 @@ struct EnumNames {
   }
 
   Enum parse(const std::string& field, const std::string& value, const std::string& origin) const {
-    const std::string key = upper(trim(value));
+    const std::string key = detail::to_upper(detail::trim(value));
     for (const auto& [name, entry] : names) {
       if (name == key) return entry;
     }
@@ -188,9 +173,9 @@ class Resolver {
       text = "1";
       origin = "default";
     }
-    TORCH_CHECK(trim(text) == "1" || trim(text) == "2", "FullyShardedDataParallelPlugin: fsdp_version='", text,
+    TORCH_CHECK(detail::trim(text) == "1" || detail::trim(text) == "2", "FullyShardedDataParallelPlugin: fsdp_version='", text,
                 "' (from ", origin, ") is not valid; expected 1 or 2.");
-    plugin_.fsdp_version = std::stoll(trim(text));
+    plugin_.fsdp_version = std::stoll(detail::trim(text));
     source("fsdp_version", origin);
   }
 
@@ -240,7 +225,7 @@ class Resolver {
       } else if (auto found = environment_value("FSDP_RESHARD_AFTER_FORWARD")) {
         // Version 1 reads its strategy from here too (Accelerate never does: quirk Q1); a bool
         // string means FULL_SHARD (true) or SHARD_GRAD_OP (false), as `fsdp to-fsdp2` maps them.
-        const std::string key = lower(trim(found->value));
+        const std::string key = detail::to_lower(detail::trim(found->value));
         if (key == "true" || key == "false") {
           plugin_.sharding_strategy = key == "true" ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
         } else {
@@ -299,7 +284,7 @@ class Resolver {
 
   static bool is_bool_string(const std::string& text) {
     static const std::vector<std::string> words = {"y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"};
-    return std::find(words.begin(), words.end(), lower(trim(text))) != words.end();
+    return std::find(words.begin(), words.end(), detail::to_lower(detail::trim(text))) != words.end();
   }
 
   void resolve_cpu_offload() {
@@ -323,11 +308,11 @@ class Resolver {
       const auto& value = *args_.backward_prefetch;
       if (auto* typed = std::get_if<BackwardPrefetch>(&value)) prefetch = *typed;
       else if (auto* number = std::get_if<int64_t>(&value)) prefetch = prefetch_names().from_number("backward_prefetch", *number, "argument");
-      else if (upper(trim(std::get<std::string>(value))) != "NO_PREFETCH")
+      else if (detail::to_upper(detail::trim(std::get<std::string>(value))) != "NO_PREFETCH")
         prefetch = prefetch_names().parse("backward_prefetch", std::get<std::string>(value), "argument");
     } else if (auto found = environment_value("FSDP_BACKWARD_PREFETCH")) {
       source("backward_prefetch", found->origin);
-      if (upper(trim(found->value)) != "NO_PREFETCH") prefetch = prefetch_names().parse("backward_prefetch", found->value, found->origin);
+      if (detail::to_upper(detail::trim(found->value)) != "NO_PREFETCH") prefetch = prefetch_names().parse("backward_prefetch", found->value, found->origin);
     } else {
       source("backward_prefetch", "default");
     }
@@ -391,7 +376,7 @@ class Resolver {
       source("auto_wrap_policy", origin);
       bool known = false;
       for (const auto& [name, kind] : wrap_names()) {
-        if (name == upper(trim(policy))) {
+        if (name == detail::to_upper(detail::trim(policy))) {
           plugin_.auto_wrap_policy = kind;
           known = true;
         }
@@ -449,7 +434,7 @@ class Resolver {
   }
 
   static int64_t parse_integer(const std::string& field, const std::string& value, const std::string& origin) {
-    const std::string text = trim(value);
+    const std::string text = detail::trim(value);
     size_t used = 0;
     int64_t number = 0;
     bool ok = !text.empty();
@@ -466,7 +451,7 @@ class Resolver {
   static std::vector<std::string> clean_class_names(const std::vector<std::string>& names, const std::string& origin) {
     std::vector<std::string> cleaned;
     for (const auto& name : names) {
-      std::string stripped = trim(name);
+      std::string stripped = detail::trim(name);
       TORCH_CHECK(!stripped.empty(), "FullyShardedDataParallelPlugin: transformer_cls_names_to_wrap (from ", origin,
                   ") has an empty class name; write names such as \"LlamaDecoderLayer,MLPBlock\".");
       cleaned.push_back(stripped);
@@ -658,7 +643,7 @@ bool MixedPrecisionPolicy::operator==(const MixedPrecisionPolicy& other) const {
 }
 
 bool parse_bool(const std::string& value, const std::string& what) {
-  const std::string key = lower(trim(value));
+  const std::string key = detail::to_lower(detail::trim(value));
   for (const char* word : {"y", "yes", "t", "true", "on", "1"}) {
     if (key == word) return true;
   }
@@ -676,7 +661,7 @@ bool fsdp_enabled_by_environment(const EnvironmentMap& environment) {
 }
 
 c10::ScalarType mixed_precision_dtype(const std::string& name, const std::string& what) {
-  const std::string key = lower(trim(name));
+  const std::string key = detail::to_lower(detail::trim(name));
   if (key == "fp8" || key == "bf16") return c10::kBFloat16;
   if (key == "fp16") return c10::kHalf;
   if (key == "fp32") return c10::kFloat;

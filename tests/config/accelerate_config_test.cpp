@@ -5,6 +5,8 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "harness/error_message.h"
+
 #include <fstream>
 #include <sstream>
 
@@ -18,14 +20,7 @@ std::string read_data(const std::string& name) {
   return text.str();
 }
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "";
-}
+using testing::error_message_of;
 
 TEST(AccelerateConfig, LoadsAccelerateOutput) {
   auto config = parse_accelerate_config(read_data("accelerate_fsdp1.yaml"), "fsdp1.yaml");
@@ -44,37 +39,37 @@ TEST(AccelerateConfig, KeysWithoutPrefixGetIt) {
 }
 
 TEST(AccelerateConfig, UnknownKeysAreRejectedWithSuggestions) {
-  auto message = message_of([] {
+  auto message = error_message_of([] {
     parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: BACKWARD_PRE\n", "a.yaml");
   });
   EXPECT_NE(message.find("'a.yaml': unknown key 'fsdp_backward_prefetch_policy' in fsdp_config; did you mean "
                          "'fsdp_backward_prefetch'?"),
             std::string::npos)
       << message;
-  message = message_of([] { parse_accelerate_config("num_proceses: 2\n", "b.yaml"); });
+  message = error_message_of([] { parse_accelerate_config("num_proceses: 2\n", "b.yaml"); });
   EXPECT_NE(message.find("unknown key 'num_proceses' at the top level; did you mean 'num_processes'?"), std::string::npos)
       << message;
-  message = message_of([] { parse_accelerate_config("zzz_unrelated: 1\n", "c.yaml"); });
+  message = error_message_of([] { parse_accelerate_config("zzz_unrelated: 1\n", "c.yaml"); });
   EXPECT_NE(message.find("unknown key 'zzz_unrelated'"), std::string::npos) << message;
   EXPECT_EQ(message.find("did you mean"), std::string::npos) << message;
 }
 
 TEST(AccelerateConfig, UnsupportedFeaturesAndBadValuesAreErrors) {
-  EXPECT_NE(message_of([] { parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "d.yaml"); })
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "d.yaml"); })
                 .find("'deepspeed_config' configures a feature fsdp.cpp does not provide"),
             std::string::npos);
-  EXPECT_TRUE(message_of([] { parse_accelerate_config("deepspeed_config: {}\n", "d.yaml"); }).empty());
-  EXPECT_NE(message_of([] { parse_accelerate_config("distributed_type: DEEPSPEED\n", "e.yaml"); }).find("FSDP, MULTI_CPU"),
+  EXPECT_TRUE(error_message_of([] { parse_accelerate_config("deepspeed_config: {}\n", "d.yaml"); }).empty());
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("distributed_type: DEEPSPEED\n", "e.yaml"); }).find("FSDP, MULTI_CPU"),
             std::string::npos);
-  EXPECT_NE(message_of([] { parse_accelerate_config("num_processes: two\n", "f.yaml"); })
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("num_processes: two\n", "f.yaml"); })
                 .find("'f.yaml': key 'num_processes' must be an integer, got 'two'"),
             std::string::npos);
-  EXPECT_NE(message_of([] { parse_accelerate_config("rdzv_backend: c10d\n", "g.yaml"); }).find("static rendezvous"),
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("rdzv_backend: c10d\n", "g.yaml"); }).find("static rendezvous"),
             std::string::npos);
-  EXPECT_NE(message_of([] { parse_accelerate_config("mixed_precision: fp4\n", "h.yaml"); }).find("fp8, fp16, bf16, fp32"),
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("mixed_precision: fp4\n", "h.yaml"); }).find("fp8, fp16, bf16, fp32"),
             std::string::npos);
-  EXPECT_NE(message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"), std::string::npos);
-  EXPECT_NE(message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"), std::string::npos);
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"), std::string::npos);
+  EXPECT_NE(error_message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"), std::string::npos);
 }
 
 TEST(AccelerateConfig, LaunchExportMatchesAccelerate) {
@@ -102,16 +97,16 @@ TEST(AccelerateConfig, LaunchExportMatchesAccelerate) {
 
 TEST(AccelerateConfig, LaunchExportErrorsNameTheKeyAndFile) {
   auto config = parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: FULL\n", "bad.yaml");
-  auto message = message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
+  auto message = error_message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
   EXPECT_NE(message.find("state_dict_type='FULL' (from environment variable FSDP_STATE_DICT_TYPE set from "
                          "fsdp_config.fsdp_state_dict_type in bad.yaml)"),
             std::string::npos)
       << message;
   config = parse_accelerate_config(
       "distributed_type: FSDP\nfsdp_config:\n  fsdp_cpu_ram_efficient_loading: true\n  fsdp_sync_module_states: false\n", "c.yaml");
-  message = message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
+  message = error_message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
   EXPECT_NE(message.find("set fsdp_sync_module_states to true"), std::string::npos) << message;
-  message = message_of([] { fsdp_launch_environment(nullptr, {{"fsdp_version", "2"}}, false, std::nullopt); });
+  message = error_message_of([] { fsdp_launch_environment(nullptr, {{"fsdp_version", "2"}}, false, std::nullopt); });
   EXPECT_NE(message.find("--fsdp_version was given but FSDP is not on"), std::string::npos) << message;
 }
 
@@ -145,8 +140,8 @@ TEST(AccelerateConfig, ToFsdp2StrategyMappingAndEdgeCases) {
   EXPECT_NE(unchanged.warnings.at(0).find("already fsdp_version 2"), std::string::npos);
   auto no_fsdp = convert_config_to_fsdp2("num_processes: 2\n", "n.yaml");
   EXPECT_NE(no_fsdp.warnings.at(0).find("no fsdp_config"), std::string::npos);
-  EXPECT_NE(message_of([] { convert_config_to_fsdp2("", "empty.yaml"); }).find("is empty"), std::string::npos);
-  EXPECT_NE(message_of([] { convert_config_to_fsdp2("fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n", "l.yaml"); })
+  EXPECT_NE(error_message_of([] { convert_config_to_fsdp2("", "empty.yaml"); }).find("is empty"), std::string::npos);
+  EXPECT_NE(error_message_of([] { convert_config_to_fsdp2("fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n", "l.yaml"); })
                 .find("LOCAL_STATE_DICT does not exist in FSDP version 2"),
             std::string::npos);
 }

@@ -4,6 +4,8 @@
 
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
+
+#include "harness/error_message.h"
 #include <torch/torch.h>
 
 namespace fsdp {
@@ -258,12 +260,7 @@ class PluginRejects : public ::testing::TestWithParam<ErrorCase> {};
 
 TEST_P(PluginRejects, NamingFieldValueOriginAndAcceptedValues) {
   const auto& test_case = GetParam();
-  std::string message;
-  try {
-    resolve_plugin(test_case.args(), test_case.environment);
-  } catch (const c10::Error& error) {
-    message = error.what_without_backtrace();
-  }
+  const std::string message = testing::error_message_of([&] { resolve_plugin(test_case.args(), test_case.environment); });
   ASSERT_FALSE(message.empty()) << "no error";
   for (const auto& part : test_case.message_parts) {
     EXPECT_NE(message.find(part), std::string::npos) << "'" << part << "' missing from: " << message;

@@ -8,8 +8,12 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "harness/error_message.h"
+
 namespace fsdp {
 namespace {
+
+using testing::error_message_of;
 
 class Collectives : public ::testing::TestWithParam<int> {};
 
@@ -63,35 +67,26 @@ TEST_P(Collectives, AsyncWorkCompletesInIssueOrder) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "N" + std::to_string(info.param); });
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "";
-}
-
 TEST(CollectiveErrors, BadBuffersAreNamed) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});
   const auto& world = context.world();
-  auto message = message_of([&] { all_gather(world, at::empty({3}), at::empty({2})); });
+  auto message = error_message_of([&] { all_gather(world, at::empty({3}), at::empty({2})); });
   EXPECT_NE(message.find("output has 3 elements but expected 1 ranks x 2 = 2"), std::string::npos) << message;
-  message = message_of([&] { all_gather(world, at::empty({2}, at::kDouble), at::empty({2})); });
+  message = error_message_of([&] { all_gather(world, at::empty({2}, at::kDouble), at::empty({2})); });
   EXPECT_NE(message.find("dtype"), std::string::npos) << message;
-  message = message_of([&] { reduce_scatter(world, at::empty({2}), at::empty({4, 2}).t().reshape({8}).narrow(0, 0, 1)); });
+  message = error_message_of([&] { reduce_scatter(world, at::empty({2}), at::empty({4, 2}).t().reshape({8}).narrow(0, 0, 1)); });
   EXPECT_NE(message.find("reduce_scatter"), std::string::npos) << message;
-  message = message_of([&] { all_reduce(world, at::empty({4, 4}).t()); });
+  message = error_message_of([&] { all_reduce(world, at::empty({4, 4}).t()); });
   EXPECT_NE(message.find("must be contiguous"), std::string::npos) << message;
-  message = message_of([&] {
+  message = error_message_of([&] {
     ReduceScatterOptions options;
     options.post_divide_factor = 2;
     reduce_scatter(world, at::empty({2}, at::kLong), at::empty({2}, at::kLong), options);
   });
   EXPECT_NE(message.find("needs a floating dtype"), std::string::npos) << message;
-  message = message_of([&] { broadcast(world, at::empty({2}), 1); });
+  message = error_message_of([&] { broadcast(world, at::empty({2}), 1); });
   EXPECT_NE(message.find("root 1 is outside [0, 1)"), std::string::npos) << message;
-  message = message_of([] { ProcessGroup empty; (void)empty.size(); });
+  message = error_message_of([] { ProcessGroup empty; (void)empty.size(); });
   EXPECT_NE(message.find("handle is empty"), std::string::npos) << message;
 }
 

@@ -4,16 +4,13 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "harness/error_message.h"
+
 namespace fsdp {
 namespace {
 
 std::string error_of(const EnvironmentMap& variables) {
-  try {
-    parse_distributed_environment(variables);
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "";
+  return testing::error_message_of([&] { parse_distributed_environment(variables); });
 }
 
 TEST(DistributedEnvironment, NoVariablesIsASingleProcess) {

@@ -9,19 +9,14 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 
+#include "harness/error_message.h"
+
 #include <cstdlib>
 
 namespace fsdp {
 namespace {
 
-std::string message_of(const std::function<void()>& body) {
-  try {
-    body();
-  } catch (const c10::Error& error) {
-    return error.what_without_backtrace();
-  }
-  return "";
-}
+using testing::error_message_of;
 
 TEST(PlanNodeLayout, TwoMachinesOfTwo) {
   std::vector<RankReport> reports = {{0, 0, 2, 0}, {1, 1, 2, 0}, {2, 0, 2, 1}, {3, 1, 2, 1}};
@@ -32,10 +27,10 @@ TEST(PlanNodeLayout, TwoMachinesOfTwo) {
 }
 
 TEST(PlanNodeLayout, DisagreementIsNamed) {
-  auto message = message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 1, 1}}); });
+  auto message = error_message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 1, 1}}); });
   EXPECT_NE(message.find("disagree on LOCAL_WORLD_SIZE"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 1 has 1"), std::string::npos) << message;
-  message = message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 2, 0}}); });
+  message = error_message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 2, 0}}); });
   EXPECT_NE(message.find("rank 1 reports node 0 and local rank 0"), std::string::npos) << message;
   EXPECT_NE(message.find("--node-rank"), std::string::npos) << message;
 }
@@ -64,7 +59,7 @@ TEST(DistributedContext, UnreachableMasterNamesAddressAndPort) {
   environment.local_world_size = 2;
   environment.master_port = port;
   environment.timeout = std::chrono::milliseconds(1500);
-  auto message = message_of([&] { DistributedContext::initialize(environment); });
+  auto message = error_message_of([&] { DistributedContext::initialize(environment); });
   EXPECT_NE(message.find("could not reach the master at 127.0.0.1:" + std::to_string(port)), std::string::npos) << message;
   EXPECT_NE(message.find("FSDP_COLLECTIVE_TIMEOUT"), std::string::npos) << message;
 }
@@ -104,7 +99,7 @@ TEST(DistributedContext, RanksThatDisagreeOnTheLayoutAreNamed) {
   testing::run_processes(
       2,
       [](int) {
-        auto message = message_of([] { DistributedContext::initialize_from_environment(); });
+        auto message = error_message_of([] { DistributedContext::initialize_from_environment(); });
         EXPECT_NE(message.find("disagree on LOCAL_WORLD_SIZE: rank 0 has 2 but rank 1 has 1"), std::string::npos)
             << message;
       },
@@ -115,7 +110,7 @@ TEST(DistributedContext, DeadPeerIsAnErrorNotAHang) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
     if (context.rank() == 1) std::_Exit(0);  // leaves without a word, like a crashed process
     auto tensor = at::ones({1024}, at::kFloat);
-    auto message = message_of([&] { all_reduce(context.world(), tensor); });
+    auto message = error_message_of([&] { all_reduce(context.world(), tensor); });
     EXPECT_NE(message.find("[rank 0] all_reduce on group 'world'"), std::string::npos) << message;
     EXPECT_NE(message.find("failed"), std::string::npos) << message;
   });
