@@ -107,6 +107,14 @@ void emit_preserving_quotes(YAML::Emitter& emitter, const YAML::Node& node) {
   }
 }
 
+YAML::Node load_yaml(const std::string& yaml_text, const std::string& path) {
+  try {
+    return YAML::Load(yaml_text);
+  } catch (const YAML::Exception& error) {
+    TORCH_CHECK(false, "config file '", path, "' is not valid YAML: ", error.what(), ".");
+  }
+}
+
 }  // namespace
 
 std::string did_you_mean(const std::string& word, const std::vector<std::string>& candidates) {
@@ -134,12 +142,7 @@ const std::vector<std::string>& known_fsdp_config_keys() {
 }
 
 AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std::string& path) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& error) {
-    TORCH_CHECK(false, "config file '", path, "' is not valid YAML: ", error.what(), ".");
-  }
+  YAML::Node root = load_yaml(yaml_text, path);
   TORCH_CHECK(root.IsMap(), "config file '", path, "' must be a YAML mapping of keys to values (as `accelerate config` "
                             "writes); it is ", root.IsNull() ? "empty" : "not a mapping", ".");
   AccelerateConfig config;
@@ -148,7 +151,8 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
   all_keys.insert(all_keys.end(), kInertKeys.begin(), kInertKeys.end());
   all_keys.insert(all_keys.end(), kUnsupportedSections.begin(), kUnsupportedSections.end());
   for (const auto& entry : root) {
-    const std::string key = entry.first.as<std::string>();
+    TORCH_CHECK(entry.first.IsScalar(), "config file '", path, "': every top-level key must be a plain name.");
+    const std::string key = entry.first.Scalar();
     const YAML::Node& value = entry.second;
     if (std::find(kUnsupportedSections.begin(), kUnsupportedSections.end(), key) != kUnsupportedSections.end()) {
       TORCH_CHECK(value.IsNull() || (value.IsMap() && value.size() == 0), "config file '", path, "': key '", key,
@@ -191,7 +195,8 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
       if (value.IsNull()) continue;
       TORCH_CHECK(value.IsMap(), "config file '", path, "': fsdp_config must be a mapping of fsdp_* keys.");
       for (const auto& fsdp_entry : value) {
-        const std::string raw_key = fsdp_entry.first.as<std::string>();
+        TORCH_CHECK(fsdp_entry.first.IsScalar(), "config file '", path, "': every fsdp_config key must be a plain name.");
+        const std::string raw_key = fsdp_entry.first.Scalar();
         const std::string fsdp_key = normalized_fsdp_key(raw_key);
         const auto& known = known_fsdp_config_keys();
         if (std::find(known.begin(), known.end(), fsdp_key) == known.end()) {
@@ -290,12 +295,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
 }
 
 Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std::string& path) {
-  YAML::Node root;
-  try {
-    root = YAML::Load(yaml_text);
-  } catch (const YAML::Exception& error) {
-    TORCH_CHECK(false, "config file '", path, "' is not valid YAML: ", error.what(), ".");
-  }
+  YAML::Node root = load_yaml(yaml_text, path);
   TORCH_CHECK(!root.IsNull(), "config file '", path, "' is empty.");
   parse_accelerate_config(yaml_text, path);  // the same key checks as launch
   Fsdp2Conversion conversion;

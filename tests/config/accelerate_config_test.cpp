@@ -70,6 +70,10 @@ TEST(AccelerateConfig, UnsupportedFeaturesAndBadValuesAreErrors) {
             std::string::npos);
   EXPECT_NE(error_message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"), std::string::npos);
   EXPECT_NE(error_message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"), std::string::npos);
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("a: [1, 2\n", "j.yaml"); }).find("'j.yaml' is not valid YAML"),
+            std::string::npos);
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("[1]: 2\n", "k.yaml"); }).find("must be a plain name"),
+            std::string::npos);
 }
 
 TEST(AccelerateConfig, LaunchExportMatchesAccelerate) {
