@@ -50,6 +50,26 @@ struct EnumNames {
     return names[number - 1].second;
   }
 
+  /// A typed value, a torch number or a name; `Value` is any variant of those (and of bool, which
+  /// callers reject before asking).
+  template <class Value>
+  Enum parse_value(const std::string& field, const Value& value, const std::string& origin) const {
+    return std::visit(
+        [&](const auto& alternative) -> Enum {
+          using T = std::decay_t<decltype(alternative)>;
+          if constexpr (std::is_same_v<T, Enum>) {
+            return alternative;
+          } else if constexpr (std::is_same_v<T, int64_t>) {
+            return from_number(field, alternative, origin);
+          } else if constexpr (std::is_same_v<T, std::string>) {
+            return parse(field, alternative, origin);
+          } else {
+            TORCH_INTERNAL_ASSERT(false, field, ": unexpected alternative");
+          }
+        },
+        value);
+  }
+
   const std::string& name_of(Enum value) const {
     for (const auto& [name, entry] : names) {
       if (entry == value) return name;
@@ -102,6 +122,18 @@ StateDictConfig default_config(StateDictType type) {
       return {false, false};
   }
   return {};
+}
+
+// Accelerate's str_to_bool words; empty when `text` is none of them.
+std::optional<bool> truth_value(const std::string& text) {
+  const std::string key = detail::to_lower(detail::trim(text));
+  for (const char* word : {"y", "yes", "t", "true", "on", "1"}) {
+    if (key == word) return true;
+  }
+  for (const char* word : {"n", "no", "f", "false", "off", "0"}) {
+    if (key == word) return false;
+  }
+  return std::nullopt;
 }
 
 // One resolution: the inputs, and the plugin being filled in.
@@ -179,17 +211,10 @@ class Resolver {
     source("fsdp_version", origin);
   }
 
-  template <class Variant>
-  ShardingStrategy parse_strategy(const std::string& field, const Variant& value, const std::string& origin) {
-    if (auto* strategy = std::get_if<ShardingStrategy>(&value)) return *strategy;
-    if (auto* number = std::get_if<int64_t>(&value)) return sharding_names().from_number(field, *number, origin);
-    return sharding_names().parse(field, std::get<std::string>(value), origin);
-  }
-
   void resolve_sharding() {
     std::optional<ShardingStrategy> explicit_strategy;
     if (args_.sharding_strategy) {
-      explicit_strategy = parse_strategy("sharding_strategy", *args_.sharding_strategy, "argument");
+      explicit_strategy = sharding_names().parse_value("sharding_strategy", *args_.sharding_strategy, "argument");
       warn("sharding_strategy is deprecated in favor of reshard_after_forward; set reshard_after_forward instead.");
     }
     if (plugin_.fsdp_version == 1) {
@@ -200,17 +225,7 @@ class Resolver {
                     std::get<bool>(*args_.reshard_after_forward) ? "true" : "false",
                     " (from argument) is a bool, which FSDP version 1 does not take; pass a strategy (",
                     sharding_names().accepted(), "), or set fsdp_version=2.");
-        explicit_reshard = std::visit(
-            [&](const auto& value) -> ShardingStrategy {
-              using T = std::decay_t<decltype(value)>;
-              if constexpr (std::is_same_v<T, bool>) {
-                return ShardingStrategy::kFullShard;
-              } else {
-                return parse_strategy("reshard_after_forward", std::variant<ShardingStrategy, int64_t, std::string>(value),
-                                      "argument");
-              }
-            },
-            *args_.reshard_after_forward);
+        explicit_reshard = sharding_names().parse_value("reshard_after_forward", *args_.reshard_after_forward, "argument");
       }
       TORCH_CHECK(!explicit_strategy || !explicit_reshard || *explicit_strategy == *explicit_reshard,
                   "FullyShardedDataParallelPlugin: sharding_strategy=", to_string(*explicit_strategy),
@@ -282,10 +297,7 @@ class Resolver {
     }
   }
 
-  static bool is_bool_string(const std::string& text) {
-    static const std::vector<std::string> words = {"y", "yes", "t", "true", "on", "1", "n", "no", "f", "false", "off", "0"};
-    return std::find(words.begin(), words.end(), detail::to_lower(detail::trim(text))) != words.end();
-  }
+  static bool is_bool_string(const std::string& text) { return truth_value(text).has_value(); }
 
   void resolve_cpu_offload() {
     if (args_.cpu_offload && std::holds_alternative<CpuOffloadPolicy>(*args_.cpu_offload)) {
@@ -306,10 +318,10 @@ class Resolver {
     if (args_.backward_prefetch) {
       source("backward_prefetch", "argument");
       const auto& value = *args_.backward_prefetch;
-      if (auto* typed = std::get_if<BackwardPrefetch>(&value)) prefetch = *typed;
-      else if (auto* number = std::get_if<int64_t>(&value)) prefetch = prefetch_names().from_number("backward_prefetch", *number, "argument");
-      else if (detail::to_upper(detail::trim(std::get<std::string>(value))) != "NO_PREFETCH")
-        prefetch = prefetch_names().parse("backward_prefetch", std::get<std::string>(value), "argument");
+      auto* text = std::get_if<std::string>(&value);
+      if (text == nullptr || detail::to_upper(detail::trim(*text)) != "NO_PREFETCH") {
+        prefetch = prefetch_names().parse_value("backward_prefetch", value, "argument");
+      }
     } else if (auto found = environment_value("FSDP_BACKWARD_PREFETCH")) {
       source("backward_prefetch", found->origin);
       if (detail::to_upper(detail::trim(found->value)) != "NO_PREFETCH") prefetch = prefetch_names().parse("backward_prefetch", found->value, found->origin);
@@ -327,10 +339,7 @@ class Resolver {
     std::string origin;
     if (args_.state_dict_type) {
       origin = "argument";
-      const auto& value = *args_.state_dict_type;
-      if (auto* typed = std::get_if<StateDictType>(&value)) plugin_.state_dict_type = *typed;
-      else if (auto* number = std::get_if<int64_t>(&value)) plugin_.state_dict_type = state_dict_names().from_number("state_dict_type", *number, origin);
-      else plugin_.state_dict_type = state_dict_names().parse("state_dict_type", std::get<std::string>(value), origin);
+      plugin_.state_dict_type = state_dict_names().parse_value("state_dict_type", *args_.state_dict_type, origin);
     } else if (auto found = environment_value("FSDP_STATE_DICT_TYPE")) {
       origin = found->origin;
       plugin_.state_dict_type = state_dict_names().parse("state_dict_type", found->value, origin);
@@ -643,13 +652,7 @@ bool MixedPrecisionPolicy::operator==(const MixedPrecisionPolicy& other) const {
 }
 
 bool parse_bool(const std::string& value, const std::string& what) {
-  const std::string key = detail::to_lower(detail::trim(value));
-  for (const char* word : {"y", "yes", "t", "true", "on", "1"}) {
-    if (key == word) return true;
-  }
-  for (const char* word : {"n", "no", "f", "false", "off", "0"}) {
-    if (key == word) return false;
-  }
+  if (auto truth = truth_value(value)) return *truth;
   TORCH_CHECK(false, what, ": '", value, "' is not a truth value; expected one of y, yes, t, true, on, 1 or n, no, f, "
                                           "false, off, 0 (case-insensitive).");
 }
