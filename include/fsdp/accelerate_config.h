@@ -34,6 +34,8 @@ struct AccelerateConfig {
 /// Parses YAML text; `path` names it in errors.
 AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std::string& path);
 AccelerateConfig load_accelerate_config(const std::string& path);
+/// The text of a config file; an error naming the path when it cannot be read.
+std::string read_config_file(const std::string& path);
 
 /// The fsdp_config keys Accelerate's launcher knows, with the `fsdp_` prefix.
 const std::vector<std::string>& known_fsdp_config_keys();

@@ -9,9 +9,7 @@
 #include <c10/util/Exception.h>
 
 #include <filesystem>
-#include <fstream>
 #include <iostream>
-#include <sstream>
 
 namespace fsdp::cli {
 
@@ -54,17 +52,14 @@ Command add_to_fsdp2_command(CLI::App& parent) {
   Command command;
   command.app = app;
   command.run = [config_file, output_file, overwrite] {
-    TORCH_CHECK(std::filesystem::exists(*config_file), "fsdp to-fsdp2: config file '", *config_file, "' does not exist.");
+    const std::string text = read_config_file(*config_file);
     TORCH_CHECK(*overwrite || !output_file->empty(),
                 "fsdp to-fsdp2: say where to write the result: --output-file PATH, or --overwrite to replace '",
                 *config_file, "'.");
     const std::string target = output_file->empty() ? *config_file : *output_file;
     TORCH_CHECK(*overwrite || !std::filesystem::exists(target), "fsdp to-fsdp2: output file '", target,
                 "' already exists; pass --overwrite to replace it.");
-    std::ifstream file(*config_file);
-    std::stringstream text;
-    text << file.rdbuf();
-    auto conversion = convert_config_to_fsdp2(text.str(), *config_file);
+    auto conversion = convert_config_to_fsdp2(text, *config_file);
     for (const auto& warning : conversion.warnings) std::cerr << "fsdp to-fsdp2: " << warning << std::endl;
     detail::write_file_atomically(target, conversion.yaml);
     std::cout << "fsdp to-fsdp2: wrote " << target << std::endl;

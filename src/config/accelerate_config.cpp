@@ -211,12 +211,16 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
   return config;
 }
 
-AccelerateConfig load_accelerate_config(const std::string& path) {
+std::string read_config_file(const std::string& path) {
   std::ifstream file(path);
-  TORCH_CHECK(file.good(), "config file '", path, "' cannot be read: no such file or no permission.");
+  TORCH_CHECK(file.good(), "config file '", path, "' cannot be read: it does not exist or is not readable.");
   std::stringstream text;
   text << file.rdbuf();
-  return parse_accelerate_config(text.str(), path);
+  return text.str();
+}
+
+AccelerateConfig load_accelerate_config(const std::string& path) {
+  return parse_accelerate_config(read_config_file(path), path);
 }
 
 FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, const std::map<std::string, std::string>& flags,
