@@ -239,6 +239,12 @@ FullyShardedDataParallelPlugin resolve_plugin(const FullyShardedDataParallelPlug
                                               const EnvironmentMap& environment,
                                               const std::map<std::string, std::string>& environment_origins = {});
 
+/// FULL_SHARD and HYBRID_SHARD free unsharded parameters after forward; the others keep them.
+bool reshards_after_forward(ShardingStrategy strategy);
+
+/// A strategy name (any case) or torch's number 1-5. Errors name `field`, `value` and `origin`.
+ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field, const std::string& origin);
+
 /// Accelerate's str_to_bool: y/yes/t/true/on/1 and n/no/f/false/off/0, case-insensitive. Throws
 /// naming `what` otherwise.
 bool parse_bool(const std::string& value, const std::string& what);

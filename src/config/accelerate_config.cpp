@@ -309,27 +309,26 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
   } else if (fsdp["fsdp_version"] && fsdp["fsdp_version"].Scalar() == "2") {
     conversion.warnings.push_back("'" + path + "' is already fsdp_version 2; nothing to convert.");
   } else {
-    auto to_bool = [&](const std::string& key, const std::string& value) -> bool {
-      const std::string name = detail::to_upper(value);
-      if (name == "FULL_SHARD" || name == "1" || name == "HYBRID_SHARD" || name == "4" || detail::to_lower(value) == "true") return true;
-      if (name == "SHARD_GRAD_OP" || name == "2" || name == "NO_SHARD" || name == "3" || name == "HYBRID_SHARD_ZERO2" ||
-          name == "5" || detail::to_lower(value) == "false")
-        return false;
-      TORCH_CHECK(false, "config file '", path, "': fsdp_config.", key, " = '", value,
-                  "' is not a sharding strategy; expected FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD or "
-                  "HYBRID_SHARD_ZERO2.");
+    // As `accelerate to-fsdp2`: strategies that reshard become true (digits too, which Accelerate skips).
+    auto to_bool = [&](const std::string& raw_key, const std::string& value) -> bool {
+      const std::string lowered = detail::to_lower(value);
+      if (lowered == "true" || lowered == "false") return lowered == "true";
+      return reshards_after_forward(parse_sharding_strategy(value, raw_key, "fsdp_config." + raw_key + " in " + path));
     };
+    bool has_reshard_key = false;
+    for (const auto& entry : fsdp) has_reshard_key |= normalized_fsdp_key(entry.first.Scalar()) == "fsdp_reshard_after_forward";
     YAML::Node converted(YAML::NodeType::Map);
     for (const auto& entry : fsdp) {
       const std::string raw_key = entry.first.as<std::string>();
       const std::string key = normalized_fsdp_key(raw_key);
       const std::string value = entry.second.IsScalar() ? entry.second.Scalar() : "";
       if (key == "fsdp_sharding_strategy" || key == "fsdp_reshard_after_forward") {
-        if (key == "fsdp_sharding_strategy" && fsdp["fsdp_reshard_after_forward"]) continue;  // the newer key wins
-        converted["fsdp_reshard_after_forward"] = to_bool(raw_key, value);
+        if (key == "fsdp_sharding_strategy" && has_reshard_key) continue;  // the newer key wins
+        const bool reshard = to_bool(raw_key, value);
+        converted["fsdp_reshard_after_forward"] = reshard;
         if (key == "fsdp_sharding_strategy") {
           conversion.warnings.push_back("fsdp_sharding_strategy: " + value + " became fsdp_reshard_after_forward: " +
-                                        (to_bool(raw_key, value) ? "true" : "false") + ".");
+                                        (reshard ? "true" : "false") + ".");
         }
       } else if (key == "fsdp_backward_prefetch" || key == "fsdp_sync_module_states" || key == "fsdp_use_orig_params") {
         conversion.warnings.push_back(key + " is not used by FSDP version 2; removed.");

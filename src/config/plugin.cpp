@@ -108,10 +108,6 @@ const std::vector<std::pair<std::string, AutoWrapKind>>& wrap_names() {
   return names;
 }
 
-bool reshards_after_forward(ShardingStrategy strategy) {
-  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
-}
-
 StateDictConfig default_config(StateDictType type) {
   switch (type) {
     case StateDictType::kFullStateDict:
@@ -644,6 +640,14 @@ const char* to_string(AutoWrapKind kind) {
     if (entry == kind) return name.c_str();
   }
   return "UNKNOWN";
+}
+
+bool reshards_after_forward(ShardingStrategy strategy) {
+  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
+}
+
+ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field, const std::string& origin) {
+  return sharding_names().parse(field, value, origin);
 }
 
 bool MixedPrecisionPolicy::operator==(const MixedPrecisionPolicy& other) const {
