@@ -1,7 +1,15 @@
 // Umbrella header: everything a user of fsdp.cpp needs.
 #pragma once
 
+#include <fsdp/accelerator.h>
+#include <fsdp/auto_wrap.h>
+#include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
 #include <fsdp/distributed_environment.h>
+#include <fsdp/fsdp2_prepare.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/plugin.h>
+#include <fsdp/pretrained_model.h>
 #include <fsdp/process_group.h>
+#include <fsdp/shard_layout.h>
 #include <fsdp/version.h>

@@ -1,0 +1,38 @@
+// The seed's FSDP2 preparation helpers (Accelerate's fsdp_utils.py), for libtorch modules.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <unordered_map>
+
+#include <fsdp/fully_shard.h>
+#include <fsdp/plugin.h>
+
+namespace fsdp {
+
+class Accelerator;
+
+/// The fully_shard options the plugin describes (strategy, reshard_after_forward, mixed precision,
+/// offload). The root's reshard_after_forward is left unset by fsdp2_prepare_model (FSDP2's None).
+FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin);
+
+/// Accelerate's fsdp2_prepare_model, in its order (spec §3.5): auto-wrap bottom-up, the input
+/// embedding and the tail (final norm + output embedding, or the tied embedding) as their own units,
+/// then the root. Trainable parameters are upcast to fp32 first when the accelerator uses mixed
+/// precision, so the sharded master weights are fp32. Tied weights stay tied. The model is sharded in
+/// place and returned. Embeddings and the final norm are found through fsdp::PretrainedModel when the
+/// model implements it.
+std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
+                                                       const std::shared_ptr<torch::nn::Module>& model);
+
+/// Accelerate's fsdp2_switch_optimizer_parameters: replaces every optimizer parameter `p` by
+/// `mapping.at(p.data_ptr())`, keeping parameter groups and hyper-parameters. In Accelerator::prepare
+/// the optimizer's slots report the original parameters' data pointers. A slot with no entry is an
+/// error naming its group and position.
+void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
+                                       const std::unordered_map<const void*, at::Tensor>& mapping);
+
+}  // namespace fsdp

@@ -1,0 +1,193 @@
+// fully_shard: make a libtorch module an FSDP unit (PyTorch FSDP2's `fully_shard`).
+//
+// After `fully_shard(module, context)` each rank keeps only its dim-0 rows of every parameter the
+// unit manages (torch.chunk semantics, see shard_layout.h), and the registered parameters *are*
+// those shards: an optimizer built on `module->parameters()` steps the shards, so its state is 1/N
+// per rank too. Apply it bottom-up (blocks first, the root last); each call manages the parameters
+// of `module` that no earlier call claimed.
+//
+// libtorch modules have no forward hooks, so a unit's forward must be called through
+// `fsdp::forward(module, args...)` instead of `module->forward(args...)`: it all-gathers the unit
+// before forward, reshards after it (per reshard_after_forward) and installs the backward hooks
+// that all-gather again and reduce-scatter the gradients. For a module that is not a unit it is
+// exactly `module->forward(args...)`, so model code can call every submodule that way. A parameter
+// that receives a gradient while sharded (its unit's forward was called directly) is reported at
+// the end of backward.
+//
+// Example:
+//   for (auto& block : model->blocks) fsdp::fully_shard(block.ptr(), context);
+//   fsdp::fully_shard(model.ptr(), context);
+//   torch::optim::AdamW optimizer(model->parameters());
+//   auto loss = fsdp::forward(model, batch).mean();
+//   loss.backward();      // sharded gradients, averaged over ranks
+//   optimizer.step();     // steps the shards
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fsdp/plugin.h>
+#include <fsdp/process_group.h>
+#include <fsdp/shard_layout.h>
+
+namespace fsdp {
+
+/// Options for `fully_shard`. Check them with `validate`.
+struct FullyShardOptions {
+  /// Which ranks shard and which replicate: FULL_SHARD and SHARD_GRAD_OP shard over the world,
+  /// NO_SHARD replicates over the world (gradients all-reduced), HYBRID_SHARD and
+  /// HYBRID_SHARD_ZERO2 shard inside a machine and replicate across machines.
+  /// Default: FULL_SHARD.
+  ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
+  /// Free the unsharded parameters after forward and all-gather them again in backward. Default:
+  /// unset, meaning the strategy's choice (FULL_SHARD, HYBRID_SHARD: yes) for every unit except the
+  /// root, which keeps them because backward starts with it (FSDP2's `None`).
+  std::optional<bool> reshard_after_forward;
+  /// param_dtype (all-gather and compute), reduce_dtype (gradient reduction), output_dtype (floating
+  /// outputs of the unit's forward), cast_forward_inputs, buffer_dtype (buffers of managed modules).
+  /// Default: no casts.
+  MixedPrecisionPolicy mixed_precision;
+  /// CPU offload of sharded parameters, gradients and optimizer state. This build computes on CPU,
+  /// where everything already lives in CPU memory, so it holds by construction. Default: off.
+  CpuOffloadPolicy offload;
+  /// Parameters that stay whole and unmanaged: not sharded, gradients not reduced. Default: none.
+  std::vector<at::Tensor> ignored_parameters;
+  /// Broadcast every managed parameter and buffer from rank 0 before sharding, so ranks that
+  /// initialized differently start identical (FSDP1's sync_module_states). Default: false.
+  bool sync_module_states = false;
+};
+
+/// Throws c10::Error naming the field when the options cannot work.
+void validate(const FullyShardOptions& options);
+
+namespace detail {
+class ParamGroup;
+}
+
+/// A read-only description of one managed parameter, for tests, tools and state dicts.
+struct ShardedParameterInfo {
+  /// Name relative to the unit's first module.
+  std::string name;
+  /// The registered parameter (its data is the local shard between steps).
+  at::Tensor parameter;
+  ShardLayout layout;
+  /// This rank's padded shard (1-D, layout.numel_padded_shard elements).
+  at::Tensor sharded_padded;
+};
+
+/// A handle to one FSDP unit (FSDP2's FSDPModule methods). Cheap to copy.
+class FSDPModule {
+ public:
+  explicit FSDPModule(std::shared_ptr<detail::ParamGroup> group);
+  /// The module the unit was created for (the first one when several were given).
+  std::shared_ptr<torch::nn::Module> module() const;
+  /// All-gather the parameters now (e.g. for evaluation code that bypasses fsdp::forward).
+  void unshard() const;
+  /// Free the unsharded parameters; the parameters become the local shards again.
+  void reshard() const;
+  /// Gradient accumulation: while false, backward keeps unsharded gradients locally and the first
+  /// backward after it is set to true reduces their sum once. `recurse` applies it to every unit
+  /// inside this one too.
+  void set_requires_gradient_sync(bool requires_sync, bool recurse = true) const;
+  void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true) const;
+  /// Whether this unit is the root of its tree (known after the first forward or `lazy_init`).
+  bool is_root() const;
+  /// Decides the root of this unit's tree now instead of at the first forward.
+  void lazy_init() const;
+  ShardingStrategy sharding_strategy() const;
+  std::vector<ShardedParameterInfo> sharded_parameters() const;
+  /// Bytes held by the unsharded parameter buffer right now (0 while sharded).
+  int64_t unsharded_buffer_bytes() const;
+  detail::ParamGroup& group() const { return *group_; }
+
+ private:
+  std::shared_ptr<detail::ParamGroup> group_;
+};
+
+/// Makes `module` one FSDP unit and shards its parameters in place. Collective: every rank calls it
+/// with the same module structure, in the same order.
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const DistributedContext& context,
+                       const FullyShardOptions& options = {});
+/// One unit over several modules (FSDP2's `fully_shard([a, b])`), e.g. a final norm and the output
+/// head; its forward starts at the first of them to run.
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const DistributedContext& context, const FullyShardOptions& options = {});
+
+/// The unit `module` belongs to as one of its modules, if any.
+std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module);
+bool is_fsdp_module(const torch::nn::Module& module);
+/// Every unit whose module is `root` or inside it, children before parents (creation order).
+std::vector<FSDPModule> fsdp_modules(const torch::nn::Module& root);
+
+namespace detail {
+std::shared_ptr<ParamGroup> find_param_group(const torch::nn::Module* module);
+/// Called by fsdp::forward around the module's own forward.
+void run_pre_forward(ParamGroup& group);
+at::Tensor cast_forward_input(const ParamGroup& group, const at::Tensor& input);
+void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs);
+
+template <typename T>
+inline constexpr bool kAlwaysFalse = false;
+
+/// Outputs of other types cannot carry the backward hooks FSDP needs.
+template <typename T>
+void collect_outputs(T&, std::vector<at::Tensor*>&) {
+  static_assert(kAlwaysFalse<T>,
+                "fsdp::forward: a unit's forward must return a Tensor or a std::vector, std::tuple, std::pair "
+                "or std::optional of Tensors, so that FSDP can attach its backward hooks to the outputs");
+}
+inline void collect_outputs(at::Tensor& tensor, std::vector<at::Tensor*>& out) { out.push_back(&tensor); }
+template <typename T>
+void collect_outputs(std::vector<T>& values, std::vector<at::Tensor*>& out) {
+  for (auto& value : values) collect_outputs(value, out);
+}
+template <typename T>
+void collect_outputs(std::optional<T>& value, std::vector<at::Tensor*>& out) {
+  if (value) collect_outputs(*value, out);
+}
+template <typename A, typename B>
+void collect_outputs(std::pair<A, B>& value, std::vector<at::Tensor*>& out) {
+  collect_outputs(value.first, out);
+  collect_outputs(value.second, out);
+}
+template <typename... T>
+void collect_outputs(std::tuple<T...>& value, std::vector<at::Tensor*>& out) {
+  std::apply([&](auto&... element) { (collect_outputs(element, out), ...); }, value);
+}
+
+template <typename T>
+decltype(auto) cast_input(const ParamGroup& group, T&& value) {
+  if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
+    return cast_forward_input(group, value);
+  } else {
+    return std::forward<T>(value);
+  }
+}
+
+}  // namespace detail
+
+/// Calls `module->forward(args...)` with FSDP's pre- and post-forward around it when `module` is a
+/// unit (see the top of this file). `module` is a ModuleHolder (e.g. torch::nn::Linear) or a
+/// std::shared_ptr to a module. The output may be a Tensor or a vector, tuple, pair or optional of
+/// them: those are what backward hooks can be attached to.
+template <typename Holder, typename... Args>
+auto forward(Holder& module, Args&&... args) {
+  auto group = detail::find_param_group(module.get());
+  if (!group) return module->forward(std::forward<Args>(args)...);
+  detail::run_pre_forward(*group);
+  auto output = module->forward(detail::cast_input(*group, std::forward<Args>(args))...);
+  std::vector<at::Tensor*> outputs;
+  detail::collect_outputs(output, outputs);
+  detail::run_post_forward(*group, outputs);
+  return output;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,153 @@
+#include <fsdp/fsdp2_prepare.h>
+
+#include <ATen/ATen.h>
+
+#include <regex>
+#include <sstream>
+#include <unordered_set>
+
+#include <fsdp/accelerator.h>
+#include <fsdp/auto_wrap.h>
+#include <fsdp/pretrained_model.h>
+
+namespace fsdp {
+namespace {
+
+const at::TensorImpl* weight_of(const std::shared_ptr<torch::nn::Module>& module) {
+  if (!module) return nullptr;
+  const auto parameters = module->named_parameters(/*recurse=*/false);
+  const auto* weight = parameters.find("weight");
+  return weight ? weight->unsafeGetTensorImpl() : nullptr;
+}
+
+/// Accelerate's _find_final_norm: the last child of the base model whose class name contains "Norm".
+std::shared_ptr<torch::nn::Module> find_final_norm(const std::shared_ptr<torch::nn::Module>& model,
+                                                   PretrainedModel* pretrained) {
+  auto base = model;
+  const std::string prefix = pretrained ? pretrained->base_model_prefix() : "";
+  if (!prefix.empty()) {
+    const auto children = model->named_children();
+    const auto* child = children.find(prefix);
+    TORCH_CHECK(child, "fsdp2_prepare_model: base_model_prefix() is '", prefix, "' but the model (", model->name(),
+                ") has no child of that name; return the name of the child that holds the base model, or \"\"");
+    base = *child;
+  }
+  std::shared_ptr<torch::nn::Module> final_norm;
+  for (const auto& child : base->children()) {
+    if (child->name().find("Norm") != std::string::npos) final_norm = child;
+  }
+  return final_norm;
+}
+
+std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const std::shared_ptr<torch::nn::Module>& model) {
+  std::vector<at::Tensor> parameters;
+  auto add_module = [&](const torch::nn::Module& module) {
+    for (const auto& parameter : module.parameters(/*recurse=*/true)) parameters.push_back(parameter);
+  };
+  if (ignored.name_regex) {
+    std::regex pattern;
+    try {
+      pattern = std::regex(*ignored.name_regex);
+    } catch (const std::regex_error& error) {
+      TORCH_CHECK(false, "ignored_modules: '", *ignored.name_regex, "' is not a valid regular expression (", error.what(),
+                  ")");
+    }
+    for (const auto& item : model->named_modules()) {
+      if (std::regex_match(item.key(), pattern)) add_module(*item.value());
+    }
+  }
+  for (const auto& module : ignored.modules) {
+    TORCH_CHECK(module, "ignored_modules: a module handle is null");
+    add_module(*module);
+  }
+  return parameters;
+}
+
+}  // namespace
+
+FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {
+  FullyShardOptions options;
+  options.sharding_strategy = plugin.sharding_strategy;
+  options.reshard_after_forward = plugin.reshard_after_forward;
+  if (plugin.mixed_precision_policy) options.mixed_precision = *plugin.mixed_precision_policy;
+  options.offload = plugin.cpu_offload;
+  options.sync_module_states = plugin.sync_module_states;
+  return options;
+}
+
+std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
+                                                       const std::shared_ptr<torch::nn::Module>& model) {
+  TORCH_CHECK(model, "fsdp2_prepare_model: the model is null");
+  if (is_fsdp_module(*model)) return model;
+  const auto& plugin = accelerator.fsdp_plugin();
+  TORCH_CHECK(!plugin.activation_checkpointing,
+              "fsdp2_prepare_model: activation_checkpointing is not implemented by this engine yet; set it to false "
+              "(FSDP_ACTIVATION_CHECKPOINTING=false, fsdp_activation_checkpointing: false)");
+  TORCH_CHECK(!plugin.cpu_ram_efficient_loading,
+              "fsdp2_prepare_model: cpu_ram_efficient_loading needs loading a full state dict into a meta-device "
+              "model, which this engine does not implement yet; set it to false (FSDP_CPU_RAM_EFFICIENT_LOADING=false)");
+  for (const auto& item : model->named_parameters()) {
+    TORCH_CHECK(!item.value().is_meta(), "fsdp2_prepare_model: parameter '", item.key(),
+                "' is on the meta device; this engine shards materialized parameters only. Create the model on CPU");
+  }
+  const auto& context = accelerator.context();
+  auto options = fully_shard_options_from_plugin(plugin);
+  options.ignored_parameters = ignored_parameters(plugin.ignored_modules, model);
+
+  // FSDP2 needs one dtype for the trainable parameters of a unit, and the sharded parameters are the
+  // master weights: keep them in fp32 (spec §3.5 step 6, quirk Q10 kept on purpose).
+  if (accelerator.mixed_precision() != "no") {
+    at::NoGradGuard no_grad;
+    for (auto& parameter : model->parameters()) {
+      if (parameter.requires_grad() && parameter.scalar_type() != at::kFloat) parameter.set_data(parameter.to(at::kFloat));
+    }
+  }
+
+  if (auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model)) {
+    for (const auto& [name, module] : modules_to_wrap(model, *policy)) {
+      if (!is_fsdp_module(*module)) fully_shard(module, context, options);
+    }
+  }
+
+  auto* pretrained = dynamic_cast<PretrainedModel*>(model.get());
+  auto input_embed = pretrained ? pretrained->input_embeddings() : nullptr;
+  auto output_embed = pretrained ? pretrained->output_embeddings() : nullptr;
+  const bool tied = input_embed && output_embed && weight_of(input_embed) && weight_of(input_embed) == weight_of(output_embed);
+  if (!tied && input_embed && !is_fsdp_module(*input_embed)) fully_shard(input_embed, context, options);
+  auto final_norm = find_final_norm(model, pretrained);
+  auto tail_embed = tied ? input_embed : output_embed;
+  std::vector<std::shared_ptr<torch::nn::Module>> tail;
+  for (const auto& module : {final_norm, tail_embed}) {
+    if (module && !is_fsdp_module(*module)) tail.push_back(module);
+  }
+  if (!tail.empty()) {
+    // Used from its first forward to the end of the model's forward: keep it gathered.
+    auto tail_options = options;
+    tail_options.reshard_after_forward = false;
+    fully_shard(tail, context, tail_options);
+  }
+  if (!is_fsdp_module(*model)) {
+    auto root_options = options;
+    root_options.reshard_after_forward.reset();
+    fully_shard(model, context, root_options);
+  }
+  return model;
+}
+
+void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
+                                       const std::unordered_map<const void*, at::Tensor>& mapping) {
+  auto& groups = optimizer.param_groups();
+  for (size_t group_index = 0; group_index < groups.size(); ++group_index) {
+    auto& parameters = groups[group_index].params();
+    for (size_t index = 0; index < parameters.size(); ++index) {
+      auto found = mapping.find(parameters[index].data_ptr());
+      TORCH_CHECK(found != mapping.end(),
+                  "A parameter in the optimizer couldn't be switched to its sharded version (param group ", group_index,
+                  ", parameter ", index, "). This breaks the training: every optimizer parameter must be a parameter "
+                  "of the prepared model. Build the optimizer from model->parameters()");
+      parameters[index] = found->second;
+    }
+  }
+}
+
+}  // namespace fsdp

@@ -1,0 +1,73 @@
+#include <fsdp/clip_grad_norm.h>
+
+#include <ATen/ATen.h>
+
+#include <cmath>
+#include <unordered_set>
+
+#include <fsdp/collectives.h>
+#include <fsdp/fully_shard.h>
+
+#include "engine/module_state.h"
+#include "engine/param_group.h"
+
+namespace fsdp {
+
+double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
+  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive (or infinity), got ", norm_type);
+  TORCH_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be non-negative, got ", max_norm);
+  const bool infinity_norm = std::isinf(norm_type);
+  at::NoGradGuard no_grad;
+  std::vector<at::Tensor> gradients;
+  // Sharded contributions are reduced over the shard group; others (ignored parameters, modules
+  // outside every unit) hold the full gradient on every rank and count once.
+  double sharded_total = 0.0;
+  double local_total = 0.0;
+  auto accumulate = [&](const at::Tensor& gradient, double& total) {
+    auto as_double = gradient.to(at::kDouble);
+    if (infinity_norm) {
+      if (gradient.numel() > 0) total = std::max(total, as_double.abs().max().item<double>());
+    } else {
+      total += as_double.abs().pow(norm_type).sum().item<double>();
+    }
+  };
+  std::optional<ProcessGroup> shard_group;
+  std::unordered_set<const c10::TensorImpl*> managed;
+  for (const auto& unit : fsdp_modules(model)) {
+    auto& group = unit.group();
+    if (auto state = group.root_state()) {
+      TORCH_CHECK(!state->iteration_active(),
+                  "clip_grad_norm_: a forward of this model has not been followed by its backward yet, so the "
+                  "sharded gradients are not in place. Call it after loss.backward()");
+    }
+    if (group.shard_group()) shard_group = group.shard_group();
+    for (const auto& parameter : group.parameters()) {
+      managed.insert(parameter.parameter.unsafeGetTensorImpl());
+      const auto& gradient = parameter.parameter.grad();
+      if (!gradient.defined()) continue;
+      accumulate(gradient, sharded_total);
+      gradients.push_back(gradient);
+    }
+  }
+  for (const auto& parameter : model.parameters()) {
+    if (managed.count(parameter.unsafeGetTensorImpl()) || !parameter.grad().defined()) continue;
+    managed.insert(parameter.unsafeGetTensorImpl());
+    accumulate(parameter.grad(), local_total);
+    gradients.push_back(parameter.grad());
+  }
+  if (shard_group) {
+    auto buffer = at::full({1}, sharded_total, at::TensorOptions().dtype(at::kDouble));
+    all_reduce(*shard_group, buffer, infinity_norm ? ReduceOp::kMax : ReduceOp::kSum);
+    sharded_total = buffer.item<double>();
+  }
+  const double total_norm = infinity_norm ? std::max(sharded_total, local_total)
+                                          : std::pow(sharded_total + local_total, 1.0 / norm_type);
+  // torch's rule, epsilon included, so clipped values match single-process training.
+  const double clip_coefficient = max_norm / (total_norm + 1e-6);
+  if (clip_coefficient < 1.0) {
+    for (auto& gradient : gradients) gradient.mul_(clip_coefficient);
+  }
+  return total_norm;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,186 @@
+#include <fsdp/fully_shard.h>
+
+#include <ATen/ATen.h>
+#include <torch/nn/module.h>
+
+#include <functional>
+#include <unordered_set>
+
+#include <fsdp/collectives.h>
+
+#include "engine/module_state.h"
+#include "engine/param_group.h"
+
+namespace fsdp {
+namespace {
+
+void check_floating(const std::optional<c10::ScalarType>& dtype, const char* field) {
+  TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "FullyShardOptions.mixed_precision.", field,
+              " must be a floating dtype (float32, bfloat16, float16, float64), got ", *dtype);
+}
+
+/// The modules a new unit manages: `module` and its descendants, without descending into modules
+/// that are already units (FSDP2's _get_managed_modules), with names relative to `module`.
+void collect_managed_modules(const std::shared_ptr<torch::nn::Module>& module, const std::string& prefix,
+                             std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& out) {
+  out.emplace_back(prefix, module);
+  for (const auto& child : module->named_children()) {
+    if (detail::find_param_group(child.value().get())) continue;
+    collect_managed_modules(child.value(), prefix + child.key() + ".", out);
+  }
+}
+
+}  // namespace
+
+void validate(const FullyShardOptions& options) {
+  check_floating(options.mixed_precision.param_dtype, "param_dtype");
+  check_floating(options.mixed_precision.reduce_dtype, "reduce_dtype");
+  check_floating(options.mixed_precision.output_dtype, "output_dtype");
+  check_floating(options.mixed_precision.buffer_dtype, "buffer_dtype");
+  for (size_t index = 0; index < options.ignored_parameters.size(); ++index) {
+    TORCH_CHECK(options.ignored_parameters[index].defined(), "FullyShardOptions.ignored_parameters[", index,
+                "] is an undefined tensor; pass the module's parameter tensors");
+  }
+}
+
+FSDPModule::FSDPModule(std::shared_ptr<detail::ParamGroup> group) : group_(std::move(group)) {
+  TORCH_INTERNAL_ASSERT(group_, "FSDPModule without a unit");
+}
+
+std::shared_ptr<torch::nn::Module> FSDPModule::module() const {
+  auto module = group_->modules().front().lock();
+  TORCH_CHECK(module, "FSDPModule: the module of ", group_->description(), " was destroyed");
+  return module;
+}
+
+void FSDPModule::unshard() const { group_->unshard(); }
+
+void FSDPModule::reshard() const {
+  auto state = group_->root_state();
+  if (state && group_->is_root()) {
+    state->end_iteration();
+  } else {
+    group_->reshard();
+  }
+}
+
+void FSDPModule::set_requires_gradient_sync(bool requires_sync, bool recurse) const {
+  if (!recurse) {
+    group_->set_requires_gradient_sync(requires_sync);
+    return;
+  }
+  for (const auto& unit : fsdp_modules(*module())) unit.group().set_requires_gradient_sync(requires_sync);
+}
+
+void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) const {
+  if (!recurse) {
+    group_->set_reshard_after_forward(reshard_after_forward);
+    return;
+  }
+  for (const auto& unit : fsdp_modules(*module())) unit.group().set_reshard_after_forward(reshard_after_forward);
+}
+
+bool FSDPModule::is_root() const { return group_->is_root(); }
+
+void FSDPModule::lazy_init() const { detail::ensure_root_state(*group_); }
+
+ShardingStrategy FSDPModule::sharding_strategy() const { return group_->options().sharding_strategy; }
+
+std::vector<ShardedParameterInfo> FSDPModule::sharded_parameters() const {
+  std::vector<ShardedParameterInfo> infos;
+  for (const auto& parameter : group_->parameters()) {
+    infos.push_back(ShardedParameterInfo{parameter.name, parameter.parameter, parameter.layout,
+                                         parameter.sharded_padded});
+  }
+  return infos;
+}
+
+int64_t FSDPModule::unsharded_buffer_bytes() const { return group_->unsharded_buffer_bytes(); }
+
+FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const DistributedContext& context,
+                       const FullyShardOptions& options) {
+  return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, context, options);
+}
+
+FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                       const DistributedContext& context, const FullyShardOptions& options) {
+  validate(options);
+  TORCH_CHECK(!modules.empty(), "fully_shard: no modules given");
+  for (size_t index = 0; index < modules.size(); ++index) {
+    TORCH_CHECK(modules[index], "fully_shard: module ", index, " is null");
+    TORCH_CHECK(!detail::find_param_group(modules[index].get()), "fully_shard: ", modules[index]->name(),
+                " is already an FSDP unit; apply fully_shard once per module");
+  }
+  std::unordered_set<const c10::TensorImpl*> ignored;
+  for (const auto& tensor : options.ignored_parameters) ignored.insert(tensor.unsafeGetTensorImpl());
+
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> managed_modules;
+  for (size_t index = 0; index < modules.size(); ++index) {
+    const std::string prefix = modules.size() == 1 ? "" : modules[index]->name() + ".";
+    collect_managed_modules(modules[index], prefix, managed_modules);
+  }
+  std::vector<detail::ShardedParameter> parameters;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  const auto already_managed = detail::managed_parameters();
+  for (const auto& [prefix, managed] : managed_modules) {
+    for (const auto& item : managed->named_parameters(/*recurse=*/false)) {
+      const auto& tensor = item.value();
+      if (!tensor.defined()) continue;
+      const auto* impl = tensor.unsafeGetTensorImpl();
+      if (ignored.count(impl) || !seen.insert(impl).second || already_managed.count(impl)) continue;
+      TORCH_CHECK(tensor.device().is_cpu(), "fully_shard: parameter '", prefix + item.key(), "' is on ",
+                  tensor.device(), "; this build of fsdp.cpp computes on CPU. Move the model to CPU first");
+      TORCH_CHECK(!tensor.is_meta(), "fully_shard: parameter '", prefix + item.key(),
+                  "' is on the meta device; materialize it (or load a full state dict) before sharding");
+      detail::ShardedParameter parameter;
+      parameter.name = prefix + item.key();
+      parameter.parameter = tensor;
+      parameters.push_back(std::move(parameter));
+    }
+  }
+  if (options.mixed_precision.buffer_dtype || options.sync_module_states) {
+    at::NoGradGuard no_grad;
+    for (const auto& [prefix, managed] : managed_modules) {
+      for (auto& buffer : managed->buffers(/*recurse=*/false)) {
+        if (!buffer.defined()) continue;
+        if (options.mixed_precision.buffer_dtype && at::isFloatingType(buffer.scalar_type())) {
+          buffer.set_data(buffer.to(*options.mixed_precision.buffer_dtype));
+        }
+        if (options.sync_module_states && context.world_size() > 1) {
+          TORCH_CHECK(buffer.is_contiguous(), "fully_shard(sync_module_states): a buffer of ", prefix,
+                      " is not contiguous");
+          broadcast(context.world(), buffer, 0);
+        }
+      }
+    }
+  }
+  auto group = std::make_shared<detail::ParamGroup>(modules, context, options, std::move(parameters));
+  group->initialize();
+  detail::register_param_group(group);
+  return FSDPModule(group);
+}
+
+std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module) {
+  auto group = detail::find_param_group(&module);
+  if (!group) return std::nullopt;
+  return FSDPModule(group);
+}
+
+bool is_fsdp_module(const torch::nn::Module& module) { return detail::find_param_group(&module) != nullptr; }
+
+std::vector<FSDPModule> fsdp_modules(const torch::nn::Module& root) {
+  std::unordered_set<const torch::nn::Module*> subtree;
+  // modules() needs a shared_ptr owner; walk the children by hand to accept any reference.
+  std::function<void(const torch::nn::Module&)> visit = [&](const torch::nn::Module& module) {
+    subtree.insert(&module);
+    for (const auto& child : module.children()) visit(*child);
+  };
+  visit(root);
+  std::vector<FSDPModule> units;
+  for (const auto& group : detail::all_param_groups()) {
+    if (subtree.count(group->modules().front().lock().get())) units.emplace_back(group);
+  }
+  return units;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,162 @@
+// One FSDP unit (FSDP2's FSDPParamGroup): the parameters of one or more modules that are gathered
+// with one all-gather and whose gradients are reduced with one reduce-scatter.
+//
+// [Note: storage, not tensors, is what gets freed]
+// Autograd saves views of the parameters it multiplies with (a Linear saves `weight.t()`, a view of
+// the weight's storage at forward time). Swapping the parameter's data with `set_data` after forward
+// would leave those views pointing at the old full storage, so nothing would be freed and backward
+// would read stale values. Instead every unsharded parameter is a view into one per-unit buffer
+// whose storage object lives as long as the unit; resharding frees that storage's memory (nbytes 0)
+// and unsharding allocates it again and refills it, so views saved by autograd see the new data.
+// The registered parameter itself (the TensorImpl the optimizer and the user hold) never changes
+// identity: `set_data` points it at the sharded view (between steps) or at the unsharded view.
+//
+// [Note: gradients while unsharded]
+// AccumulateGrad writes a full-shape gradient into `param.grad`, which must therefore be empty when
+// backward runs. From the start of a training iteration (the first forward with grad mode on) until
+// its end (the end of backward), each parameter's sharded gradient is stashed in the unit and put
+// back afterwards, so between steps `param.grad()` is the sharded gradient the optimizer expects.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/csrc/autograd/function.h>
+
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include <fsdp/fully_shard.h>
+#include <fsdp/shard_layout.h>
+
+namespace fsdp::detail {
+
+/// Where a unit's parameters currently point.
+enum class ShardedState {
+  /// Parameters are views of their padded shards; the unsharded buffer holds no memory.
+  kSharded,
+  /// Parameters are views of the full tensors in the unsharded buffer.
+  kUnsharded,
+};
+
+/// One parameter managed by a unit (FSDP2's FSDPParam).
+struct ShardedParameter {
+  /// Name relative to the unit's first module, e.g. "fc1.weight".
+  std::string name;
+  /// The registered parameter. Its identity never changes; its data is set to one of the views below.
+  at::Tensor parameter;
+  c10::ScalarType original_dtype = c10::kFloat;
+  /// dtype of the unsharded parameter (the mixed-precision param_dtype for floating parameters).
+  c10::ScalarType compute_dtype = c10::kFloat;
+  bool requires_grad = false;
+  ShardLayout layout;
+  /// This rank's rows, zero-padded to layout.numel_padded_shard, original dtype (1-D, own storage).
+  at::Tensor sharded_padded;
+  /// The unpadded view of sharded_padded with layout.sharded_sizes: the parameter's data at rest.
+  at::Tensor sharded_data;
+  /// The full tensor, a view into the unit's unsharded buffer.
+  at::Tensor unsharded_data;
+  /// Byte offset of this parameter's padded shard in one rank's all-gather row.
+  int64_t all_gather_offset_bytes = 0;
+  /// Byte offset of this parameter's region (N padded shards) in the unsharded buffer.
+  int64_t unsharded_offset_bytes = 0;
+  /// Element offset of this parameter's padded shard in one reduce-scatter row (trainable only).
+  int64_t reduce_offset = 0;
+
+  /// Per-iteration state.
+  at::Tensor stashed_sharded_gradient;
+  bool gradient_stashed = false;
+  /// Gradients summed over micro-steps while gradient sync is off, in the reduce dtype, full shape.
+  at::Tensor unsharded_accumulated_gradient;
+  /// The AccumulateGrad node of this iteration, held from unshard until post-forward (see .cpp).
+  std::shared_ptr<torch::autograd::Node> accumulator_in_forward;
+  std::weak_ptr<torch::autograd::Node> hooked_accumulator;
+  bool gradient_ready = false;
+};
+
+class RootState;
+
+class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
+ public:
+  ParamGroup(std::vector<std::shared_ptr<torch::nn::Module>> modules, const DistributedContext& context,
+             const FullyShardOptions& options, std::vector<ShardedParameter> parameters);
+
+  /// Builds the unit: shards every parameter in place (each rank keeps only its rows).
+  void initialize();
+
+  const std::vector<std::weak_ptr<torch::nn::Module>>& modules() const { return modules_; }
+  std::vector<ShardedParameter>& parameters() { return parameters_; }
+  const std::vector<ShardedParameter>& parameters() const { return parameters_; }
+  const FullyShardOptions& options() const { return options_; }
+  const DistributedContext& context() const { return context_; }
+  /// The group that shards (size 1 for NO_SHARD) and the group that replicates (absent unless
+  /// NO_SHARD or HYBRID_SHARD).
+  int64_t shard_world_size() const { return shard_group_ ? shard_group_->size() : 1; }
+  int64_t shard_rank() const { return shard_group_ ? shard_group_->rank() : 0; }
+  const std::optional<ProcessGroup>& shard_group() const { return shard_group_; }
+  const std::optional<ProcessGroup>& replicate_group() const { return replicate_group_; }
+  std::string description() const;
+
+  ShardedState sharded_state() const { return sharded_state_; }
+  bool is_root() const { return is_root_; }
+  void set_root(bool is_root) { is_root_ = is_root; }
+  void set_root_state(std::shared_ptr<RootState> root_state) { root_state_ = std::move(root_state); }
+  std::shared_ptr<RootState> root_state() const { return root_state_.lock(); }
+  bool reshard_after_forward() const;
+  void set_reshard_after_forward(bool value) { reshard_after_forward_override_ = value; }
+  bool requires_gradient_sync() const { return requires_gradient_sync_; }
+  void set_requires_gradient_sync(bool value) { requires_gradient_sync_ = value; }
+  /// Bytes the unsharded buffer holds now (0 while sharded, or for units that never need one).
+  int64_t unsharded_buffer_bytes() const;
+
+  /// All-gathers the parameters (a no-op when already unsharded).
+  void unshard();
+  /// Points the parameters back at their shards and frees the unsharded buffer.
+  void reshard();
+
+  // Training-iteration protocol, driven by the hooks in module_state.cpp.
+  void pre_forward(bool grad_enabled);
+  void post_forward(bool grad_enabled);
+  void pre_backward();
+  void on_gradient_ready(size_t parameter_index);
+  /// Reduces the gradients (or accumulates them while sync is off) and reshards.
+  void post_backward();
+  bool post_backward_done() const { return post_backward_done_; }
+  bool forwarded_this_iteration() const { return forwarded_this_iteration_; }
+  void begin_iteration();
+  void end_iteration();
+
+ private:
+  void register_gradient_hooks();
+  /// Which parameters take part in gradient reduction (those that require grad now) and where.
+  void refresh_trainable_parameters();
+  void reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients, const std::vector<bool>& has_gradient);
+
+  std::vector<std::weak_ptr<torch::nn::Module>> modules_;
+  DistributedContext context_;
+  FullyShardOptions options_;
+  std::vector<ShardedParameter> parameters_;
+  std::optional<ProcessGroup> shard_group_;
+  std::optional<ProcessGroup> replicate_group_;
+  /// True when unsharding changes nothing (one shard, no dtype cast): parameters keep their data.
+  bool unshard_is_identity_ = false;
+  int64_t all_gather_row_bytes_ = 0;
+  int64_t unsharded_buffer_bytes_ = 0;
+  int64_t reduce_row_numel_ = 0;
+  int64_t trainable_count_ = 0;
+  std::optional<c10::ScalarType> reduce_dtype_;
+  /// uint8 buffer whose storage is freed while sharded (see the note above).
+  at::Tensor unsharded_buffer_;
+  ShardedState sharded_state_ = ShardedState::kSharded;
+  bool is_root_ = false;
+  std::optional<bool> reshard_after_forward_override_;
+  bool requires_gradient_sync_ = true;
+  std::weak_ptr<RootState> root_state_;
+
+  bool iteration_active_ = false;
+  bool forwarded_this_iteration_ = false;
+  bool post_backward_done_ = false;
+  int64_t gradients_ready_ = 0;
+};
+
+}  // namespace fsdp::detail

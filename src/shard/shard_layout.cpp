@@ -1,0 +1,55 @@
+#include <fsdp/shard_layout.h>
+
+#include <c10/util/Exception.h>
+
+namespace fsdp {
+
+int64_t rows_per_shard(int64_t rows, int64_t world_size) {
+  TORCH_CHECK(world_size >= 1, "rows_per_shard: world_size must be at least 1, got ", world_size);
+  TORCH_CHECK(rows >= 0, "rows_per_shard: rows must be non-negative, got ", rows);
+  return (rows + world_size - 1) / world_size;
+}
+
+ShardLayout shard_layout(const std::vector<int64_t>& sizes, int64_t world_size, int64_t rank) {
+  TORCH_CHECK(rank >= 0 && rank < world_size, "shard_layout: rank ", rank, " is outside a world of ", world_size,
+              " ranks");
+  ShardLayout layout;
+  layout.unsharded_sizes = sizes;
+  layout.rows = sizes.empty() ? 1 : sizes[0];
+  for (size_t dim = 1; dim < sizes.size(); ++dim) {
+    TORCH_CHECK(sizes[dim] >= 0, "shard_layout: negative size in dim ", dim);
+    layout.row_numel *= sizes[dim];
+  }
+  layout.rows_per_shard = rows_per_shard(layout.rows, world_size);
+  layout.row_offset = std::min(layout.rows, rank * layout.rows_per_shard);
+  layout.owned_rows = std::min(layout.rows_per_shard, layout.rows - layout.row_offset);
+  layout.numel_padded_shard = layout.rows_per_shard * layout.row_numel;
+  layout.numel_owned = layout.owned_rows * layout.row_numel;
+  if (sizes.empty()) {
+    // One rank holds the scalar itself; over several ranks the owner holds a one-element shard.
+    if (world_size > 1) layout.sharded_sizes = {layout.owned_rows};
+  } else {
+    layout.sharded_sizes = sizes;
+    layout.sharded_sizes[0] = layout.owned_rows;
+  }
+  return layout;
+}
+
+FlatShardLayout flat_shard_layout(const std::vector<ShardLayout>& layouts) {
+  FlatShardLayout flat;
+  flat.offsets.reserve(layouts.size());
+  for (const auto& layout : layouts) {
+    flat.offsets.push_back(flat.numel);
+    flat.numel += layout.numel_padded_shard;
+  }
+  return flat;
+}
+
+double gradient_pre_divide_factor(int64_t world_size) {
+  TORCH_CHECK(world_size >= 1, "gradient_pre_divide_factor: world_size must be at least 1, got ", world_size);
+  int64_t factor = 1;
+  while (world_size % factor == 0 && world_size / factor > factor) factor *= 2;
+  return static_cast<double>(factor);
+}
+
+}  // namespace fsdp

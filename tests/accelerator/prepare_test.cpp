@@ -1,0 +1,161 @@
+// Accelerator::prepare and fsdp2_prepare_model: the seed's unit layout, the optimizer switch, and
+// training that matches single-process libtorch.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+#include "engine/parity.h"
+#include "engine/test_models.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using testing::tensors_close;
+using testing::unique_parameters;
+
+Accelerator make_accelerator(const DistributedContext& context, const std::string& auto_wrap = "transformer_based_wrap",
+                             const std::string& mixed_precision = "no") {
+  FullyShardedDataParallelPluginArgs args;
+  args.fsdp_version = int64_t{2};
+  args.auto_wrap_policy = auto_wrap;
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+  options.mixed_precision = mixed_precision;
+  return Accelerator(context, options, EnvironmentMap{});
+}
+
+std::vector<std::string> unit_names(torch::nn::Module& model) {
+  std::vector<std::string> names;
+  for (const auto& unit : fsdp_modules(model)) names.push_back(unit.module()->name());
+  return names;
+}
+
+void train_prepared_and_compare(const DistributedContext& context, bool tied) {
+  torch::manual_seed(21);
+  testing::TinyTransformer reference(tied);
+  torch::manual_seed(21);
+  testing::TinyTransformer model(tied);
+  auto accelerator = make_accelerator(context);
+  torch::optim::AdamW optimizer(unique_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::AdamW reference_optimizer(unique_parameters(*reference), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  accelerator.prepare(model, optimizer);
+
+  // Blocks bottom-up, then the input embedding (untied only), then the tail, then the root.
+  const std::string block = "fsdp::testing::TransformerBlockImpl";
+  if (tied) {
+    EXPECT_EQ(unit_names(*model), (std::vector<std::string>{block, block, "torch::nn::LayerNormImpl",
+                                                            "fsdp::testing::TinyTransformerImpl"}));
+    EXPECT_TRUE(is_fsdp_module(*model->embed_tokens));
+    EXPECT_FALSE(is_fsdp_module(*model->lm_head));
+  } else {
+    EXPECT_EQ(unit_names(*model), (std::vector<std::string>{block, block, "torch::nn::EmbeddingImpl",
+                                                            "torch::nn::LayerNormImpl", "fsdp::testing::TinyTransformerImpl"}));
+    EXPECT_TRUE(is_fsdp_module(*model->lm_head));
+  }
+  EXPECT_EQ(model->lm_head->weight.unsafeGetTensorImpl() == model->embed_tokens->weight.unsafeGetTensorImpl(), tied);
+  // The optimizer steps the model's own (sharded) parameters.
+  std::unordered_set<const c10::TensorImpl*> model_parameters;
+  for (const auto& parameter : model->parameters()) model_parameters.insert(parameter.unsafeGetTensorImpl());
+  for (const auto& parameter : optimizer.param_groups().at(0).params()) {
+    EXPECT_TRUE(model_parameters.count(parameter.unsafeGetTensorImpl()));
+  }
+  EXPECT_EQ(optimizer.param_groups().at(0).params().size(), unique_parameters(*model).size());
+
+  for (int step = 0; step < 3; ++step) {
+    torch::manual_seed(500 + step);
+    auto tokens = torch::randint(0, 11, {12, 6});
+    auto inputs = tokens.narrow(1, 0, 5), targets = tokens.narrow(1, 1, 5);
+    auto loss_of = [](const torch::Tensor& logits, const torch::Tensor& labels) {
+      return torch::nn::functional::cross_entropy(logits.reshape({-1, 11}), labels.reshape({-1}));
+    };
+    const int64_t local = 12 / context.world_size();
+    auto loss = loss_of(fsdp::forward(model, inputs.narrow(0, context.rank() * local, local)),
+                        targets.narrow(0, context.rank() * local, local));
+    loss.backward();
+    optimizer.step();
+    optimizer.zero_grad();
+    loss_of(reference->forward(inputs), targets).backward();
+    reference_optimizer.step();
+    reference_optimizer.zero_grad();
+  }
+  auto actual = testing::full_parameters(*model);
+  for (const auto& [name, expected] : testing::named_copies(*reference)) {
+    EXPECT_TRUE(tensors_close(actual.at(name), expected)) << (tied ? "tied: " : "untied: ") << name;
+  }
+}
+
+TEST(Fsdp2PrepareModel, TiedModelTrainsLikeSingleProcessOnTwoRanks) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) { train_prepared_and_compare(context, true); });
+}
+
+TEST(Fsdp2PrepareModel, UntiedModelTrainsLikeSingleProcessOnThreeRanks) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) { train_prepared_and_compare(context, false); });
+}
+
+TEST(Fsdp2PrepareModel, MixedPrecisionUpcastsTrainableParametersToFp32) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  testing::MlpStack model;
+  model->to(torch::kBFloat16);
+  auto accelerator = make_accelerator(context, "no_wrap", "bf16");
+  ASSERT_TRUE(accelerator.fsdp_plugin().mixed_precision_policy);
+  EXPECT_EQ(*accelerator.fsdp_plugin().mixed_precision_policy->param_dtype, torch::kBFloat16);
+  torch::optim::AdamW optimizer(unique_parameters(*model));
+  accelerator.prepare(model, optimizer);
+  for (const auto& parameter : model->parameters()) EXPECT_EQ(parameter.scalar_type(), torch::kFloat);
+  auto output = fsdp::forward(model, torch::randn({4, 3}));
+  EXPECT_EQ(output.scalar_type(), torch::kBFloat16);  // output_dtype bf16, as Accelerate sets it
+  output.to(torch::kFloat).pow(2).mean().backward();
+  optimizer.step();
+  for (const auto& parameter : model->parameters()) {
+    ASSERT_TRUE(parameter.grad().defined());
+    EXPECT_EQ(parameter.grad().scalar_type(), torch::kFloat);
+  }
+}
+
+TEST(AcceleratorPrepare, RejectsAnOptimizerThatSteppedOrHoldsForeignParameters) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  {
+    testing::MlpStack model;
+    torch::optim::SGD optimizer(unique_parameters(*model), torch::optim::SGDOptions(0.1).momentum(0.9));
+    model->forward(torch::randn({2, 3})).sum().backward();
+    optimizer.step();
+    auto accelerator = make_accelerator(context, "no_wrap");
+    auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+    EXPECT_NE(message.find("the optimizer has already stepped"), std::string::npos) << message;
+  }
+  {
+    testing::MlpStack model;
+    auto foreign = torch::zeros({3}, torch::requires_grad());
+    auto parameters = unique_parameters(*model);
+    parameters.push_back(foreign);
+    torch::optim::AdamW optimizer(parameters);
+    auto accelerator = make_accelerator(context, "no_wrap");
+    auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+    EXPECT_NE(message.find("couldn't be switched to its sharded version (param group 0, parameter " +
+                           std::to_string(parameters.size() - 1) + ")"),
+              std::string::npos)
+        << message;
+  }
+}
+
+TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  testing::MlpStack model;
+  torch::optim::AdamW optimizer(unique_parameters(*model));
+  auto accelerator = make_accelerator(context, "no_wrap");
+  accelerator.fsdp_plugin().activation_checkpointing = true;
+  auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+  EXPECT_NE(message.find("activation_checkpointing is not implemented by this engine yet"), std::string::npos) << message;
+  message = testing::error_message_of([&] {
+    AcceleratorOptions options;
+    options.mixed_precision = "fp16";
+    Accelerator(context, options, EnvironmentMap{});
+  });
+  EXPECT_NE(message.find("use 'bf16' on CPU"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace fsdp

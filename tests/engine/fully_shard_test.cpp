@@ -1,0 +1,406 @@
+// The engine against single-process libtorch training on the same global batch: losses and final
+// parameters must agree to 1e-5 relative in fp32, for every strategy and world size.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+#include "engine/parity.h"
+#include "engine/test_models.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+using testing::full_parameters;
+using testing::named_copies;
+using testing::tensors_close;
+using testing::unique_parameters;
+
+constexpr int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
+constexpr int kSteps = 3;
+
+torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
+torch::Tensor local_slice(const torch::Tensor& global, const DistributedContext& context) {
+  const int64_t local = global.size(0) / context.world_size();
+  return global.narrow(0, context.rank() * local, local);
+}
+
+double global_mean(const DistributedContext& context, const torch::Tensor& local_loss) {
+  auto total = local_loss.detach().clone().to(torch::kDouble).reshape({1});
+  all_reduce(context.world(), total);
+  return total.item<double>() / static_cast<double>(context.world_size());
+}
+
+void expect_parameters_match(torch::nn::Module& sharded, const torch::nn::Module& reference, const std::string& what) {
+  auto actual = full_parameters(sharded);
+  auto expected = named_copies(reference);
+  ASSERT_EQ(actual.size(), expected.size()) << what;
+  for (const auto& [name, tensor] : expected) {
+    EXPECT_TRUE(tensors_close(actual.at(name), tensor)) << what << ": parameter " << name;
+  }
+}
+
+/// Trains `sharded` (already wrapped) and `reference` (same initial weights) for kSteps steps.
+template <typename Model, typename MakeBatch, typename Loss>
+void train_and_compare(const DistributedContext& context, Model& sharded, Model& reference, MakeBatch make_batch,
+                       Loss loss_of, const std::string& what) {
+  torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+  torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
+  for (int step = 0; step < kSteps; ++step) {
+    auto [inputs, targets] = make_batch(step);
+    auto local_loss = loss_of(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context));
+    local_loss.backward();
+    auto reference_loss = loss_of(reference->forward(inputs), targets);
+    reference_loss.backward();
+    // AdamW hardly notices a wrongly scaled gradient, so the reduction is checked directly.
+    testing::expect_sharded_gradients_match(*sharded, *reference, what + ", step " + std::to_string(step));
+    optimizer.step();
+    optimizer.zero_grad();
+    reference_optimizer.step();
+    reference_optimizer.zero_grad();
+    const double expected = reference_loss.template item<double>();
+    EXPECT_NEAR(global_mean(context, local_loss), expected, 1e-5 * std::abs(expected) + 1e-7)
+        << what << ": loss of step " << step;
+  }
+  expect_parameters_match(*sharded, *reference, what);
+}
+
+std::pair<torch::Tensor, torch::Tensor> mlp_batch(int step) {
+  torch::manual_seed(1000 + step);
+  return {torch::randn({kGlobalBatch, 3}), torch::randn({kGlobalBatch, 2})};
+}
+
+torch::Tensor mse(const torch::Tensor& output, const torch::Tensor& target) { return torch::mse_loss(output, target); }
+
+std::pair<torch::Tensor, torch::Tensor> token_batch(int step) {
+  torch::manual_seed(2000 + step);
+  auto tokens = torch::randint(0, 11, {kGlobalBatch, 6});
+  return {tokens.narrow(1, 0, 5), tokens.narrow(1, 1, 5)};
+}
+
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+void shard_mlp(testing::MlpStack& model, const DistributedContext& context, const FullyShardOptions& options) {
+  fully_shard(model->input.ptr(), context, options);
+  for (auto& block : model->blocks) fully_shard(block.ptr(), context, options);
+  fully_shard(model.ptr(), context, options);
+}
+
+void shard_transformer(testing::TinyTransformer& model, const DistributedContext& context,
+                       const FullyShardOptions& options) {
+  for (auto& layer : model->layers) fully_shard(layer.ptr(), context, options);
+  auto tail_options = options;
+  tail_options.reshard_after_forward = false;
+  fully_shard({model->norm.ptr(), model->embed_tokens.ptr()}, context, tail_options);
+  fully_shard(model.ptr(), context, options);
+}
+
+void run_parity(const DistributedContext& context, ShardingStrategy strategy) {
+  FullyShardOptions options;
+  options.sharding_strategy = strategy;
+  {
+    torch::manual_seed(7);
+    testing::MlpStack reference;
+    torch::manual_seed(7);
+    testing::MlpStack sharded;
+    shard_mlp(sharded, context, options);
+    train_and_compare(context, sharded, reference, mlp_batch, mse, "MLP stack");
+  }
+  {
+    torch::manual_seed(8);
+    testing::TinyTransformer reference;
+    torch::manual_seed(8);
+    testing::TinyTransformer sharded;
+    shard_transformer(sharded, context, options);
+    train_and_compare(context, sharded, reference, token_batch, next_token_loss, "transformer");
+  }
+}
+
+struct ParityCase {
+  int world_size;
+  ShardingStrategy strategy;
+};
+
+class FullyShardParity : public ::testing::TestWithParam<ParityCase> {};
+
+TEST_P(FullyShardParity, MatchesSingleProcessTraining) {
+  const auto strategy = GetParam().strategy;
+  testing::run_on_ranks(GetParam().world_size, [strategy](const DistributedContext& context) {
+    run_parity(context, strategy);
+  });
+}
+
+std::vector<ParityCase> parity_cases() {
+  std::vector<ParityCase> cases;
+  for (int world_size = 1; world_size <= 4; ++world_size) {
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard}) {
+      cases.push_back({world_size, strategy});
+    }
+  }
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Strategies, FullyShardParity, ::testing::ValuesIn(parity_cases()),
+                         [](const ::testing::TestParamInfo<ParityCase>& info) {
+                           std::string name = to_string(info.param.strategy);
+                           name.erase(std::remove(name.begin(), name.end(), '_'), name.end());
+                           return name + "_" + std::to_string(info.param.world_size) + "ranks";
+                         });
+
+TEST(FullyShard, HybridShardOnTwoSimulatedMachinesMatchesSingleProcess) {
+  testing::MultiRankOptions options;
+  options.environment_for_rank = [](int rank) {
+    return std::map<std::string, std::string>{
+        {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank % 2)}, {"GROUP_RANK", std::to_string(rank / 2)}};
+  };
+  testing::run_on_ranks(
+      4,
+      [](const DistributedContext& context) {
+        run_parity(context, ShardingStrategy::kHybridShard);
+        run_parity(context, ShardingStrategy::kHybridShardZero2);
+      },
+      options);
+}
+
+TEST(FullyShard, EachRankStoresOnlyItsShardOfParametersAndOptimizerState) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack model;
+    const auto full_shapes = named_copies(*model);
+    shard_mlp(model, context, {});
+    int64_t stored = 0, unsharded_total = 0;
+    for (const auto& unit : fsdp_modules(*model)) {
+      for (const auto& info : unit.sharded_parameters()) {
+        // The parameter's own storage is its padded shard: nothing of the full tensor remains.
+        EXPECT_EQ(info.parameter.sizes(), at::IntArrayRef(info.layout.sharded_sizes)) << info.name;
+        EXPECT_EQ(static_cast<int64_t>(info.parameter.storage().nbytes()), info.layout.numel_padded_shard * 4)
+            << info.name;
+        stored += info.layout.numel_padded_shard;
+        unsharded_total += info.layout.numel_unsharded();
+      }
+      EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
+    }
+    int64_t expected_total = 0;
+    for (const auto& [name, tensor] : full_shapes) expected_total += tensor.numel();
+    EXPECT_EQ(unsharded_total, expected_total);
+    // About 1/N plus padding (each parameter pads to a multiple of N rows).
+    EXPECT_LE(stored, expected_total / 3 + 60);
+
+    torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
+    auto [inputs, targets] = mlp_batch(0);
+    mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
+    optimizer.step();
+    for (const auto& parameter : unique_parameters(*model)) {
+      ASSERT_TRUE(parameter.grad().defined());
+      EXPECT_EQ(parameter.grad().sizes(), parameter.sizes());
+      auto& state = static_cast<torch::optim::AdamWParamState&>(
+          *optimizer.state().at(c10::guts::to_string(parameter.unsafeGetTensorImpl())));
+      EXPECT_EQ(state.exp_avg().numel(), parameter.numel());
+      EXPECT_EQ(state.exp_avg_sq().numel(), parameter.numel());
+    }
+  });
+}
+
+TEST(FullyShard, FullShardFreesUnshardedParametersAfterForwardAndBackward) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack model;
+    shard_mlp(model, context, {});
+    auto [inputs, targets] = mlp_batch(0);
+    auto loss = mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context));
+    for (const auto& unit : fsdp_modules(*model)) {
+      if (unit.is_root()) {
+        // FSDP2 keeps the root gathered: backward starts with it.
+        EXPECT_GT(unit.unsharded_buffer_bytes(), 0);
+        continue;
+      }
+      EXPECT_EQ(unit.unsharded_buffer_bytes(), 0) << unit.module()->name();
+      for (const auto& info : unit.sharded_parameters()) {
+        EXPECT_EQ(info.parameter.sizes(), at::IntArrayRef(info.layout.sharded_sizes)) << info.name;
+      }
+    }
+    loss.backward();
+    for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
+  });
+}
+
+TEST(FullyShard, ShardGradOpKeepsParametersGatheredUntilBackward) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack model;
+    FullyShardOptions options;
+    options.sharding_strategy = ShardingStrategy::kShardGradOp;
+    shard_mlp(model, context, options);
+    auto [inputs, targets] = mlp_batch(0);
+    auto loss = mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context));
+    for (const auto& unit : fsdp_modules(*model)) EXPECT_GT(unit.unsharded_buffer_bytes(), 0);
+    loss.backward();
+    for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
+  });
+}
+
+TEST(FullyShard, GradientAccumulationOverFourMicroStepsEqualsOneLargeBatch) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack reference;
+    torch::manual_seed(7);
+    testing::MlpStack sharded;
+    shard_mlp(sharded, context, {});
+    auto root = *fsdp_module_of(*sharded);
+    torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+    torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(3000 + step);
+      auto inputs = torch::randn({4 * kGlobalBatch, 3});
+      auto targets = torch::randn({4 * kGlobalBatch, 2});
+      for (int micro = 0; micro < 4; ++micro) {
+        root.set_requires_gradient_sync(micro == 3);
+        auto micro_inputs = local_slice(inputs.narrow(0, micro * kGlobalBatch, kGlobalBatch), context);
+        auto micro_targets = local_slice(targets.narrow(0, micro * kGlobalBatch, kGlobalBatch), context);
+        (mse(fsdp::forward(sharded, micro_inputs), micro_targets) / 4).backward();
+        if (micro < 3) {
+          // Nothing reduced yet: the sharded gradients are untouched.
+          for (const auto& parameter : unique_parameters(*sharded)) {
+            EXPECT_TRUE(!parameter.grad().defined() || parameter.grad().abs().sum().item<double>() == 0.0);
+          }
+        }
+      }
+      mse(reference->forward(inputs), targets).backward();
+      testing::expect_sharded_gradients_match(*sharded, *reference, "accumulated gradients");
+      optimizer.step();
+      optimizer.zero_grad();
+      reference_optimizer.step();
+      reference_optimizer.zero_grad();
+    }
+    expect_parameters_match(*sharded, *reference, "accumulated");
+  });
+}
+
+TEST(FullyShard, ClipGradNormEqualsSingleProcessNorm) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
+      torch::manual_seed(9);
+      testing::TinyTransformer reference;
+      torch::manual_seed(9);
+      testing::TinyTransformer sharded;
+      shard_transformer(sharded, context, {});
+      torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+      torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
+      auto [inputs, targets] = token_batch(0);
+      next_token_loss(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context)).backward();
+      next_token_loss(reference->forward(inputs), targets).backward();
+      const double norm = fsdp::clip_grad_norm_(*sharded, 0.05, norm_type);
+      const double expected =
+          torch::nn::utils::clip_grad_norm_(unique_parameters(*reference), 0.05, norm_type);
+      EXPECT_NEAR(norm, expected, 1e-5 * expected) << "norm type " << norm_type;
+      EXPECT_GT(expected, 0.05) << "the test must actually clip";
+      optimizer.step();
+      reference_optimizer.step();
+      expect_parameters_match(*sharded, *reference, "after clipping");
+    }
+  });
+}
+
+struct BranchImpl : torch::nn::Module {
+  BranchImpl()
+      : used(register_module("used", torch::nn::Linear(3, 2))),
+        unused(register_module("unused", torch::nn::Linear(3, 5))) {}
+  torch::Tensor forward(const torch::Tensor& input) { return fsdp::forward(used, input); }
+  torch::nn::Linear used;
+  torch::nn::Linear unused;
+};
+TORCH_MODULE(Branch);
+
+struct TwoBranchesImpl : torch::nn::Module {
+  TwoBranchesImpl() : first(register_module("first", Branch())), second(register_module("second", Branch())) {}
+  torch::Tensor forward(const torch::Tensor& input) { return fsdp::forward(first, input) + fsdp::forward(second, input); }
+  Branch first;
+  Branch second;
+};
+TORCH_MODULE(TwoBranches);
+
+TEST(FullyShard, UnusedParametersDoNotHangAndStayWithoutGradient) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(4);
+    TwoBranches reference;
+    torch::manual_seed(4);
+    TwoBranches sharded;
+    fully_shard(sharded->first.ptr(), context);
+    fully_shard(sharded->second->unused.ptr(), context);  // a unit that never runs
+    fully_shard(sharded.ptr(), context);
+    torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+    torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
+    for (int step = 0; step < 2; ++step) {
+      auto [inputs, targets] = mlp_batch(step);
+      mse(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context)).backward();
+      EXPECT_FALSE(sharded->first->unused->weight.grad().defined());
+      EXPECT_FALSE(sharded->second->unused->weight.grad().defined());
+      EXPECT_TRUE(sharded->first->used->weight.grad().defined());
+      optimizer.step();
+      optimizer.zero_grad();
+      mse(reference->forward(inputs), targets).backward();
+      reference_optimizer.step();
+      reference_optimizer.zero_grad();
+    }
+    expect_parameters_match(*sharded, *reference, "with unused parameters");
+  });
+}
+
+TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack reference;
+    torch::manual_seed(7);
+    testing::MlpStack sharded;
+    FullyShardOptions options;
+    options.mixed_precision.param_dtype = torch::kBFloat16;
+    options.mixed_precision.reduce_dtype = torch::kFloat;
+    shard_mlp(sharded, context, options);
+    auto [inputs, targets] = mlp_batch(0);
+    auto output = fsdp::forward(sharded, local_slice(inputs, context));
+    EXPECT_EQ(output.scalar_type(), torch::kBFloat16);
+    auto loss = mse(output.to(torch::kFloat), local_slice(targets, context));
+    loss.backward();
+    for (const auto& parameter : unique_parameters(*sharded)) {
+      EXPECT_EQ(parameter.scalar_type(), torch::kFloat);
+      ASSERT_TRUE(parameter.grad().defined());
+      EXPECT_EQ(parameter.grad().scalar_type(), torch::kFloat);
+    }
+    const double expected = mse(reference->forward(inputs), targets).item<double>();
+    EXPECT_NEAR(global_mean(context, loss), expected, 0.02 * expected);
+  });
+}
+
+TEST(FullyShard, EvaluationWithoutGradFreesEveryUnitIncludingTheRoot) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack model;
+    shard_mlp(model, context, {});
+    torch::NoGradGuard no_grad;
+    auto [inputs, targets] = mlp_batch(0);
+    auto output = fsdp::forward(model, local_slice(inputs, context));
+    EXPECT_EQ(output.size(0), kGlobalBatch / 2);
+    for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
+  });
+}
+
+TEST(FullyShard, OptionsAndMisuseGiveClearErrors) {
+  FullyShardOptions options;
+  options.mixed_precision.param_dtype = torch::kInt;
+  auto message = testing::error_message_of([&] { validate(options); });
+  EXPECT_NE(message.find("param_dtype must be a floating dtype"), std::string::npos) << message;
+
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  torch::nn::Linear linear(3, 4);
+  fully_shard(linear.ptr(), context);
+  message = testing::error_message_of([&] { fully_shard(linear.ptr(), context); });
+  EXPECT_NE(message.find("is already an FSDP unit"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace fsdp
