@@ -131,7 +131,9 @@ namespace detail {
 std::shared_ptr<ParamGroup> find_param_group(const torch::nn::Module* module);
 /// Called by fsdp::forward around the module's own forward.
 void run_pre_forward(ParamGroup& group);
-at::Tensor cast_forward_input(const ParamGroup& group, const at::Tensor& input);
+/// Casts a floating input to param_dtype and, when it requires grad, routes it through the function
+/// whose backward tells the unit that its backward is done.
+at::Tensor cast_forward_input(ParamGroup& group, const at::Tensor& input);
 void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs);
 
 template <typename T>
@@ -164,7 +166,7 @@ void collect_outputs(std::tuple<T...>& value, std::vector<at::Tensor*>& out) {
 }
 
 template <typename T>
-decltype(auto) cast_input(const ParamGroup& group, T&& value) {
+decltype(auto) cast_input(ParamGroup& group, T&& value) {
   if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
     return cast_forward_input(group, value);
   } else {

@@ -55,8 +55,8 @@ struct FlatShardLayout {
 FlatShardLayout flat_shard_layout(const std::vector<ShardLayout>& layouts);
 
 /// FSDP1's gradient pre-divide factor for `world_size` ranks: a power of two near
-/// sqrt(world_size) that divides it, so sum-reductions in low precision cannot overflow; the
-/// post-divide factor is world_size / pre. (1 -> 1, 2 -> 2, 3 -> 2, 4 -> 2, 6 -> 4, 8 -> 4, 16 -> 4.)
+/// sqrt(world_size), so sum-reductions in low precision cannot overflow; the post-divide factor is
+/// world_size / pre (1.5 for 3 and 6 ranks). (1 -> 1, 2 -> 2, 3 -> 2, 4 -> 2, 6 -> 4, 8 -> 4, 16 -> 4.)
 double gradient_pre_divide_factor(int64_t world_size);
 
 }  // namespace fsdp

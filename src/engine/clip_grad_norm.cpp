@@ -9,6 +9,7 @@
 #include <fsdp/fully_shard.h>
 
 #include "engine/module_state.h"
+#include "engine/registry.h"
 #include "engine/param_group.h"
 
 namespace fsdp {

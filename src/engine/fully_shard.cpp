@@ -9,6 +9,7 @@
 #include <fsdp/collectives.h>
 
 #include "engine/module_state.h"
+#include "engine/registry.h"
 #include "engine/param_group.h"
 
 namespace fsdp {
@@ -141,14 +142,15 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   if (options.mixed_precision.buffer_dtype || options.sync_module_states) {
     at::NoGradGuard no_grad;
     for (const auto& [prefix, managed] : managed_modules) {
-      for (auto& buffer : managed->buffers(/*recurse=*/false)) {
+      for (const auto& item : managed->named_buffers(/*recurse=*/false)) {
+        auto buffer = item.value();
         if (!buffer.defined()) continue;
         if (options.mixed_precision.buffer_dtype && at::isFloatingType(buffer.scalar_type())) {
           buffer.set_data(buffer.to(*options.mixed_precision.buffer_dtype));
         }
         if (options.sync_module_states && context.world_size() > 1) {
-          TORCH_CHECK(buffer.is_contiguous(), "fully_shard(sync_module_states): a buffer of ", prefix,
-                      " is not contiguous");
+          TORCH_CHECK(buffer.is_contiguous(), "fully_shard(sync_module_states): buffer '", prefix + item.key(),
+                      "' is not contiguous; make it contiguous (buffer = buffer.contiguous()) before sharding");
           broadcast(context.world(), buffer, 0);
         }
       }

@@ -1,19 +1,22 @@
-// The state shared by the units of one tree (FSDP2's FSDPState context): which unit is the root,
-// the training iteration in progress, and the end-of-backward callback. Also the registry that maps
-// a module to its unit, since libtorch modules have no slot for it.
+// The state shared by the units of one tree (FSDP2's FSDPState context) and the hooks around a
+// unit's forward: which unit is the root, the training iteration in progress, the end-of-backward
+// callback.
 //
 // [Note: one training iteration]
-// An iteration starts at the first forward with grad mode on. Every unit then moves its sharded
-// gradients aside (param_group.h) and the root all-gathers at its own forward like every unit. The
-// first backward hook queues a callback on the autograd engine; when backward finishes it reduces
-// the units whose gradients never all arrived (unused parameters, inputs that did not require
-// grad) in reverse forward order, then the units nobody forwarded, so every rank issues the same
-// collectives; then it reshards everything and puts the sharded gradients back. A forward without
-// grad mode frees every unit, root included, right after it.
+// An iteration starts at the first forward with grad mode on: every unit moves its sharded gradients
+// aside (param_group.h). Each unit all-gathers at its forward. Its floating inputs that require grad
+// pass through an identity autograd function whose backward runs once the unit's whole backward for
+// that input is done (FSDP2's RegisterPostBackwardFunction): when all of them have reported, the
+// unit reduces its gradients and reshards. This trigger depends on the graph's structure only, not
+// on which parameters happened to get gradients, so every rank reduces in the same order. Hooks on
+// the unit's outputs all-gather it again before its backward and queue, once, a callback on the
+// autograd engine; when backward finishes it reduces the units still pending (those whose inputs did
+// not require grad, and units nobody forwarded) in reverse forward order and then in reverse creation
+// order, reshards everything and puts the sharded gradients back. A forward without grad mode frees
+// every unit, root included, right after it.
 #pragma once
 
 #include <memory>
-#include <unordered_set>
 #include <vector>
 
 #include "engine/param_group.h"
@@ -28,33 +31,27 @@ class RootState : public std::enable_shared_from_this<RootState> {
   const std::vector<std::shared_ptr<ParamGroup>>& groups() const { return groups_; }
   bool iteration_active() const { return iteration_active_; }
 
+  /// Starts an iteration unless one is running. An iteration whose backward started but never
+  /// finished (it threw) is abandoned first, so one failed step cannot break the next.
   void begin_iteration();
   void record_post_forward(ParamGroup* group);
-  /// Called by every backward hook: starts the iteration if a second backward reuses a graph and
+  /// Called by every pre-backward hook: starts the iteration if a second backward reuses a graph and
   /// queues the end-of-backward callback once.
   void on_backward_hook();
-  /// Queues the end-of-backward callback once per backward (from a gradient hook, which must not
-  /// start an iteration: its gradient is already written).
-  void queue_final_callback();
   /// The end-of-backward callback.
   void finish_backward();
-  /// Reshards every unit and puts the sharded gradients back.
-  void end_iteration();
+  /// Reshards every unit and puts the sharded gradients back (see ParamGroup::end_iteration).
+  void end_iteration(bool check = true);
 
  private:
   std::shared_ptr<ParamGroup> root_;
   std::vector<std::shared_ptr<ParamGroup>> groups_;
   bool iteration_active_ = false;
+  bool backward_started_ = false;
   bool final_callback_queued_ = false;
   std::vector<ParamGroup*> post_forward_order_;
 };
 
-/// Adds a unit to the registry (one entry per module of the unit).
-void register_param_group(const std::shared_ptr<ParamGroup>& group);
-/// The parameters existing units manage (tied weights are managed once, by the first unit).
-std::unordered_set<const c10::TensorImpl*> managed_parameters();
-/// Every live unit, in creation order.
-std::vector<std::shared_ptr<ParamGroup>> all_param_groups();
 /// The tree state of `group`, deciding the root on first use (FSDP2's lazy init).
 std::shared_ptr<RootState> ensure_root_state(ParamGroup& group);
 

@@ -2,8 +2,6 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 
 #include <sstream>
 
@@ -32,22 +30,6 @@ void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
   storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
   storage->set_nbytes(nbytes);
 }
-
-/// Runs after a parameter's AccumulateGrad node wrote `param.grad`.
-class GradientReadyHook final : public torch::autograd::FunctionPostHook {
- public:
-  GradientReadyHook(std::weak_ptr<ParamGroup> group, size_t parameter_index)
-      : group_(std::move(group)), parameter_index_(parameter_index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto group = group_.lock()) group->on_gradient_ready(parameter_index_);
-    return outputs;
-  }
-
- private:
-  std::weak_ptr<ParamGroup> group_;
-  size_t parameter_index_;
-};
 
 std::string sizes_text(at::IntArrayRef sizes) {
   std::ostringstream text;
@@ -107,6 +89,7 @@ void ParamGroup::initialize() {
   if (options_.sync_module_states && world.size() > 1) {
     for (auto& parameter : parameters_) {
       auto data = parameter.parameter.detach();
+      if (data.numel() > 0 && data.storage().nbytes() == 0) continue;  // released: nothing to sync
       TORCH_CHECK(data.is_contiguous(), "fully_shard(sync_module_states): parameter '", parameter.name,
                   "' is not contiguous; call .contiguous() on it first");
       broadcast(world, data, 0);
@@ -117,6 +100,9 @@ void ParamGroup::initialize() {
   int64_t all_gather_bytes = 0;
   int64_t unsharded_bytes = 0;
   for (auto& parameter : parameters_) {
+    TORCH_CHECK(!parameter.parameter.grad().defined(), "fully_shard: parameter '", parameter.name,
+                "' already has a gradient of the full shape, which the sharded parameter cannot keep. Reset it first "
+                "(parameter.mutable_grad() = torch::Tensor(), or build the optimizer after sharding)");
     auto full = parameter.parameter.detach();
     parameter.original_dtype = full.scalar_type();
     parameter.compute_dtype = parameter.original_dtype;
@@ -127,7 +113,10 @@ void ParamGroup::initialize() {
     parameter.layout = shard_layout(full.sizes().vec(), shard_size, rank);
     const auto& layout = parameter.layout;
     parameter.sharded_padded = at::zeros({layout.numel_padded_shard}, full.options());
-    if (layout.numel_owned > 0) {
+    // A parameter without memory (release_parameter_storage: this build's meta device) gets a
+    // zero shard that a state-dict load fills.
+    const bool has_data = full.numel() == 0 || full.storage().nbytes() > 0;
+    if (layout.numel_owned > 0 && has_data) {
       parameter.sharded_padded.narrow(0, 0, layout.numel_owned)
           .copy_(full.reshape({-1}).narrow(0, layout.element_offset(), layout.numel_owned));
     }
@@ -161,31 +150,30 @@ void ParamGroup::initialize() {
 }
 
 void ParamGroup::refresh_trainable_parameters() {
-  int64_t offset = 0;
-  trainable_count_ = 0;
-  std::optional<c10::ScalarType> gradient_dtype;
-  const ShardedParameter* first_trainable = nullptr;
+  std::vector<ShardLayout> trainable_layouts;
+  std::vector<ShardedParameter*> trainable;
   for (auto& parameter : parameters_) {
     parameter.requires_grad = parameter.parameter.requires_grad();
     if (!parameter.requires_grad) continue;
-    parameter.reduce_offset = offset;
-    offset += parameter.layout.numel_padded_shard;
-    ++trainable_count_;
-    if (!first_trainable) {
-      first_trainable = &parameter;
-      gradient_dtype = parameter.compute_dtype;
-    } else {
-      TORCH_CHECK(options_.mixed_precision.reduce_dtype || parameter.compute_dtype == *gradient_dtype,
-                  description(), ": trainable parameters '", first_trainable->name, "' (", *gradient_dtype, ") and '",
+    if (!trainable.empty()) {
+      const auto* first = trainable.front();
+      TORCH_CHECK(options_.mixed_precision.reduce_dtype || parameter.compute_dtype == first->compute_dtype,
+                  description(), ": trainable parameters '", first->name, "' (", first->compute_dtype, ") and '",
                   parameter.name, "' (", parameter.compute_dtype,
                   ") have different dtypes, so their gradients cannot be reduced together. Give every trainable "
                   "parameter of a unit the same dtype, set mixed_precision.reduce_dtype, or put them in different "
                   "units");
     }
+    trainable.push_back(&parameter);
+    trainable_layouts.push_back(parameter.layout);
   }
-  reduce_dtype_ = options_.mixed_precision.reduce_dtype ? options_.mixed_precision.reduce_dtype : gradient_dtype;
+  const auto flat = flat_shard_layout(trainable_layouts);
+  for (size_t index = 0; index < trainable.size(); ++index) trainable[index]->reduce_offset = flat.offsets[index];
+  trainable_count_ = static_cast<int64_t>(trainable.size());
+  reduce_dtype_ = options_.mixed_precision.reduce_dtype;
+  if (!reduce_dtype_ && !trainable.empty()) reduce_dtype_ = trainable.front()->compute_dtype;
   // One flag per trainable parameter follows the shards: whether any rank had a gradient for it.
-  reduce_row_numel_ = offset + trainable_count_;
+  reduce_row_numel_ = flat.numel + trainable_count_;
 }
 
 void ParamGroup::unshard() {
@@ -234,49 +222,22 @@ void ParamGroup::reshard() {
 
 void ParamGroup::pre_forward(bool grad_enabled) {
   unshard();
-  if (!grad_enabled) return;
-  forwarded_this_iteration_ = true;
-  register_gradient_hooks();
-}
-
-void ParamGroup::register_gradient_hooks() {
-  for (size_t index = 0; index < parameters_.size(); ++index) {
-    auto& parameter = parameters_[index];
-    if (!parameter.parameter.requires_grad()) continue;
-    // The node records the parameter's shape when created; one made while the parameter was a
-    // shard (e.g. by code that used the sharded parameter) cannot take the full gradient.
-    auto accumulator = torch::autograd::impl::grad_accumulator(parameter.parameter);
-    if (!accumulator->input_metadata(0).is_same_shape(parameter.parameter)) {
-      torch::autograd::impl::set_grad_accumulator(parameter.parameter, {});
-      accumulator = torch::autograd::impl::grad_accumulator(parameter.parameter);
-    }
-    if (parameter.hooked_accumulator.lock() != accumulator) {
-      accumulator->add_post_hook(std::make_unique<GradientReadyHook>(weak_from_this(), index));
-      parameter.hooked_accumulator = accumulator;
-    }
-    // Nothing else holds the node until forward uses the parameter; keep it alive until then.
-    parameter.accumulator_in_forward = accumulator;
-  }
+  if (grad_enabled) used_since_reduce_ = true;
 }
 
 void ParamGroup::post_forward(bool grad_enabled) {
-  for (auto& parameter : parameters_) parameter.accumulator_in_forward.reset();
   // Without grad mode no backward can follow, so even the root frees its parameters.
   if (!grad_enabled || reshard_after_forward()) reshard();
 }
 
 void ParamGroup::pre_backward() {
   if (auto state = root_state()) state->on_backward_hook();
-  if (post_backward_done_) return;
   unshard();
+  used_since_reduce_ = true;
 }
 
-void ParamGroup::on_gradient_ready(size_t parameter_index) {
-  if (auto state = root_state()) state->queue_final_callback();
-  auto& parameter = parameters_.at(parameter_index);
-  if (parameter.gradient_ready || post_backward_done_) return;
-  parameter.gradient_ready = true;
-  if (++gradients_ready_ == trainable_count_) post_backward();
+void ParamGroup::on_input_gradient() {
+  if (pending_input_gradients_ > 0 && --pending_input_gradients_ == 0) post_backward();
 }
 
 void ParamGroup::begin_iteration() {
@@ -286,34 +247,38 @@ void ParamGroup::begin_iteration() {
     parameter.stashed_sharded_gradient = parameter.parameter.grad();
     parameter.gradient_stashed = true;
     if (parameter.stashed_sharded_gradient.defined()) parameter.parameter.mutable_grad() = at::Tensor();
-    parameter.gradient_ready = false;
   }
-  gradients_ready_ = 0;
-  forwarded_this_iteration_ = false;
-  post_backward_done_ = false;
+  used_since_reduce_ = false;
+  reduced_this_iteration_ = false;
+  pending_input_gradients_ = 0;
   iteration_active_ = true;
 }
 
-void ParamGroup::end_iteration() {
+void ParamGroup::end_iteration(bool check) {
   if (!iteration_active_) return;
+  iteration_active_ = false;
+  pending_input_gradients_ = 0;
   reshard();
+  std::string stray_gradient;
   for (auto& parameter : parameters_) {
-    TORCH_CHECK(!parameter.parameter.grad().defined(), "parameter '", parameter.name, "' of ", description(),
-                " received a gradient of shape ", sizes_text(parameter.parameter.grad().sizes()),
-                " outside its unit's forward: the unit's module was called as module->forward(...) while its "
-                "parameters were sharded. Call it as fsdp::forward(module, ...) so FSDP can all-gather it first");
-    if (parameter.gradient_stashed) parameter.parameter.mutable_grad() = parameter.stashed_sharded_gradient;
+    auto gradient = parameter.parameter.grad();
+    if (gradient.defined() && stray_gradient.empty()) {
+      stray_gradient = "parameter '" + parameter.name + "' of " + description() + " received a gradient of shape " +
+                       sizes_text(gradient.sizes()) + " outside its unit's forward";
+    }
+    parameter.parameter.mutable_grad() = parameter.gradient_stashed ? parameter.stashed_sharded_gradient : at::Tensor();
     parameter.stashed_sharded_gradient = at::Tensor();
     parameter.gradient_stashed = false;
-    parameter.gradient_ready = false;
   }
-  gradients_ready_ = 0;
-  iteration_active_ = false;
+  TORCH_CHECK(!check || stray_gradient.empty(), stray_gradient,
+              ": the unit's module was called as module->forward(...) while its parameters were sharded. Call it as "
+              "fsdp::forward(module, ...) so FSDP can all-gather it first");
 }
 
 void ParamGroup::post_backward() {
-  if (post_backward_done_) return;
-  post_backward_done_ = true;
+  used_since_reduce_ = false;
+  reduced_this_iteration_ = true;
+  pending_input_gradients_ = 0;
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> gradients(parameters_.size());
   std::vector<bool> has_gradient(parameters_.size(), false);

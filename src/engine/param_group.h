@@ -19,7 +19,6 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
-#include <torch/csrc/autograd/function.h>
 
 #include <memory>
 #include <optional>
@@ -68,10 +67,6 @@ struct ShardedParameter {
   bool gradient_stashed = false;
   /// Gradients summed over micro-steps while gradient sync is off, in the reduce dtype, full shape.
   at::Tensor unsharded_accumulated_gradient;
-  /// The AccumulateGrad node of this iteration, held from unshard until post-forward (see .cpp).
-  std::shared_ptr<torch::autograd::Node> accumulator_in_forward;
-  std::weak_ptr<torch::autograd::Node> hooked_accumulator;
-  bool gradient_ready = false;
 };
 
 class RootState;
@@ -118,16 +113,22 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void pre_forward(bool grad_enabled);
   void post_forward(bool grad_enabled);
   void pre_backward();
-  void on_gradient_ready(size_t parameter_index);
+  /// A forward input of this unit was wrapped; its gradient will report through on_input_gradient.
+  void expect_input_gradient() { ++pending_input_gradients_; }
+  /// The gradient of one wrapped input arrived: the unit's backward for it is complete. When every
+  /// wrapped input has reported, the unit's gradients are reduced (FSDP2's post-backward trigger).
+  void on_input_gradient();
   /// Reduces the gradients (or accumulates them while sync is off) and reshards.
   void post_backward();
-  bool post_backward_done() const { return post_backward_done_; }
-  bool forwarded_this_iteration() const { return forwarded_this_iteration_; }
+  /// Whether the end-of-backward callback must still reduce this unit: it was used since its last
+  /// reduction, or it was not reduced at all this iteration (every rank reduces every unit).
+  bool needs_post_backward() const { return used_since_reduce_ || !reduced_this_iteration_; }
   void begin_iteration();
-  void end_iteration();
+  /// Reshards and puts the sharded gradients back. With `check`, a gradient written on a sharded
+  /// parameter (a unit called without fsdp::forward) is reported after the state is restored.
+  void end_iteration(bool check = true);
 
  private:
-  void register_gradient_hooks();
   /// Which parameters take part in gradient reduction (those that require grad now) and where.
   void refresh_trainable_parameters();
   void reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients, const std::vector<bool>& has_gradient);
@@ -154,9 +155,9 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::weak_ptr<RootState> root_state_;
 
   bool iteration_active_ = false;
-  bool forwarded_this_iteration_ = false;
-  bool post_backward_done_ = false;
-  int64_t gradients_ready_ = 0;
+  bool used_since_reduce_ = false;
+  bool reduced_this_iteration_ = false;
+  int64_t pending_input_gradients_ = 0;
 };
 
 }  // namespace fsdp::detail

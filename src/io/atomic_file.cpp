@@ -11,6 +11,10 @@
 namespace fsdp::detail {
 
 void write_file_atomically(const std::string& path, const std::string& contents) {
+  write_file_atomically(path, [&](const ByteSink& sink) { sink(contents.data(), contents.size()); });
+}
+
+void write_file_atomically(const std::string& path, const std::function<void(const ByteSink& sink)>& produce) {
   const std::filesystem::path target(path);
   const auto directory = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   const std::string temporary = (directory / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
@@ -19,15 +23,28 @@ void write_file_atomically(const std::string& path, const std::string& contents)
   auto fail = [&](const char* step) {
     const int error = errno;
     ::close(fd);
+    fd = -1;
     ::unlink(temporary.c_str());
     TORCH_CHECK(false, "writing '", path, "': ", step, " failed: ", std::strerror(error), "; the file is unchanged.");
   };
-  size_t written = 0;
-  while (written < contents.size()) {
-    ssize_t n = ::write(fd, contents.data() + written, contents.size() - written);
-    if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) fail("write");
-    written += static_cast<size_t>(n);
+  auto sink = [&](const void* data, size_t size) {
+    const auto* bytes = static_cast<const char*>(data);
+    size_t written = 0;
+    while (written < size) {
+      ssize_t n = ::write(fd, bytes + written, size - written);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) fail("write");
+      written += static_cast<size_t>(n);
+    }
+  };
+  try {
+    produce(sink);
+  } catch (...) {
+    if (fd >= 0) {
+      ::close(fd);
+      ::unlink(temporary.c_str());
+    }
+    throw;
   }
   if (::fsync(fd) != 0) fail("fsync");
   if (::close(fd) != 0) {

@@ -351,6 +351,156 @@ TEST(FullyShard, UnusedParametersDoNotHangAndStayWithoutGradient) {
   });
 }
 
+/// A frozen base layer plus a trainable low-rank adapter (LoRA): the base's backward still reads
+/// the gathered weight after the adapter's gradients are ready.
+struct AdaptedLinearImpl : torch::nn::Module {
+  AdaptedLinearImpl()
+      : base(register_module("base", torch::nn::Linear(3, 5))),
+        down(register_module("down", torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)))),
+        up(register_module("up", torch::nn::Linear(torch::nn::LinearOptions(2, 5).bias(false)))) {
+    for (auto& parameter : base->parameters()) parameter.requires_grad_(false);
+  }
+  torch::Tensor forward(const torch::Tensor& input) {
+    return fsdp::forward(base, input) + fsdp::forward(up, fsdp::forward(down, input));
+  }
+  torch::nn::Linear base, down, up;
+};
+TORCH_MODULE(AdaptedLinear);
+
+struct AdaptedStackImpl : torch::nn::Module {
+  AdaptedStackImpl()
+      : first(register_module("first", AdaptedLinear())), head(register_module("head", torch::nn::Linear(5, 2))) {}
+  torch::Tensor forward(const torch::Tensor& input) {
+    // The block's input requires grad only through `pre`, so the block's post-backward trigger runs.
+    auto hidden = fsdp::forward(first, input * pre);
+    return fsdp::forward(head, torch::tanh(hidden));
+  }
+  AdaptedLinear first;
+  torch::nn::Linear head;
+  torch::Tensor pre = register_parameter("pre", torch::ones({3}));
+};
+TORCH_MODULE(AdaptedStack);
+
+TEST(FullyShard, FrozenParametersInAUnitWithTrainableOnesTrainLikeSingleProcess) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(5);
+    AdaptedStack reference;
+    torch::manual_seed(5);
+    AdaptedStack sharded;
+    fully_shard(sharded->first.ptr(), context);
+    fully_shard(sharded.ptr(), context);
+    train_and_compare(context, sharded, reference, mlp_batch, mse, "frozen base with adapter");
+  });
+}
+
+/// One block applied twice (weight sharing): its backward runs twice before it may reduce.
+struct SharedBlockTwiceImpl : torch::nn::Module {
+  SharedBlockTwiceImpl()
+      : input(register_module("input", torch::nn::Linear(3, 5))), block(register_module("block", testing::MlpBlock(5, 7))),
+        head(register_module("head", torch::nn::Linear(5, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto hidden = fsdp::forward(input, x);
+    hidden = fsdp::forward(block, fsdp::forward(block, hidden));
+    return fsdp::forward(head, hidden);
+  }
+  torch::nn::Linear input;
+  testing::MlpBlock block;
+  torch::nn::Linear head;
+};
+TORCH_MODULE(SharedBlockTwice);
+
+TEST(FullyShard, AUnitCalledTwicePerForwardTrainsLikeSingleProcess) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    for (bool mixed_precision : {false, true}) {
+      torch::manual_seed(6);
+      SharedBlockTwice reference;
+      torch::manual_seed(6);
+      SharedBlockTwice sharded;
+      FullyShardOptions options;
+      if (mixed_precision) {
+        options.mixed_precision.param_dtype = torch::kBFloat16;
+        options.mixed_precision.reduce_dtype = torch::kFloat;
+      }
+      fully_shard(sharded->block.ptr(), context, options);
+      fully_shard(sharded.ptr(), context, options);
+      if (!mixed_precision) {
+        train_and_compare(context, sharded, reference, mlp_batch, mse, "block used twice");
+        continue;
+      }
+      auto [inputs, targets] = mlp_batch(0);
+      // bf16 compute: the gradients exist, have the sharded shapes and are close to fp32 ones.
+      auto output = fsdp::forward(sharded, local_slice(inputs, context).to(torch::kBFloat16));
+      mse(output.to(torch::kFloat), local_slice(targets, context)).backward();
+      for (const auto& parameter : unique_parameters(*sharded)) {
+        ASSERT_TRUE(parameter.grad().defined());
+        EXPECT_EQ(parameter.grad().sizes(), parameter.sizes());
+      }
+    }
+  });
+}
+
+TEST(FullyShard, AStepWhoseBackwardThrowsDoesNotBreakTheNextStep) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::MlpStack reference;
+    torch::manual_seed(7);
+    testing::MlpStack sharded;
+    shard_mlp(sharded, context, {});
+    {
+      auto [inputs, targets] = mlp_batch(0);
+      auto loss = mse(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context));
+      auto hidden = loss * 1.0;
+      hidden.register_hook([](const torch::Tensor&) -> torch::Tensor { TORCH_CHECK(false, "a failing hook"); });
+      EXPECT_NE(testing::error_message_of([&] { hidden.backward(); }).find("a failing hook"), std::string::npos);
+    }
+    // The failed step left nothing behind: training continues exactly like single-process training.
+    train_and_compare(context, sharded, reference, mlp_batch, mse, "after a failed backward");
+  });
+}
+
+/// Ranks take different branches inside one unit (data-dependent parameter use).
+struct RankBranchesImpl : torch::nn::Module {
+  RankBranchesImpl()
+      : a(register_module("a", torch::nn::Linear(3, 4))), b(register_module("b", torch::nn::Linear(3, 4))),
+        head(register_module("head", torch::nn::Linear(4, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x, int64_t branch) {
+    return fsdp::forward(head, torch::relu(branch == 0 ? fsdp::forward(a, x) : fsdp::forward(b, x)));
+  }
+  torch::nn::Linear a, b, head;
+};
+TORCH_MODULE(RankBranches);
+
+struct BranchesModelImpl : torch::nn::Module {
+  BranchesModelImpl() : inner(register_module("inner", RankBranches())) {}
+  torch::Tensor forward(const torch::Tensor& x, int64_t branch) {
+    return fsdp::forward(inner, x * scale, branch);
+  }
+  RankBranches inner;
+  torch::Tensor scale = register_parameter("scale", torch::ones({3}));
+};
+TORCH_MODULE(BranchesModel);
+
+TEST(FullyShard, RanksUsingDifferentParametersOfAUnitAgreeOnTheCollectives) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(8);
+    BranchesModel reference;
+    torch::manual_seed(8);
+    BranchesModel sharded;
+    fully_shard(sharded->inner.ptr(), context);
+    fully_shard(sharded.ptr(), context);
+    auto [inputs, targets] = mlp_batch(0);
+    mse(fsdp::forward(sharded, local_slice(inputs, context), context.rank()), local_slice(targets, context)).backward();
+    // Single process: the average of what each rank computed.
+    torch::Tensor reference_loss = torch::zeros({});
+    for (int64_t rank = 0; rank < 2; ++rank) {
+      reference_loss = reference_loss + mse(reference->forward(inputs.narrow(0, rank * 6, 6), rank),
+                                            targets.narrow(0, rank * 6, 6)) / 2;
+    }
+    reference_loss.backward();
+    testing::expect_sharded_gradients_match(*sharded, *reference, "different branches");
+  });
+}
+
 TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
     torch::manual_seed(7);

@@ -1,0 +1,91 @@
+// safetensors files: a strict reader and the reference writer's layout.
+//
+// Layout: an 8-byte little-endian header length N, N bytes of JSON header, then the data section;
+// every tensor's "data_offsets" are relative to the data section. The reader treats every byte as
+// untrusted: it maps the file and rejects, naming the file and the tensor, a header longer than
+// 100 MB or than the file, a header that is not UTF-8 JSON object text, unknown dtypes, duplicate
+// names, sizes that overflow, offsets that overlap, leave gaps or do not end exactly at the end of the
+// file, and byte sizes that differ from numel x element size. The writer sorts tensors by dtype
+// alignment (largest first) then name, writes compact JSON with "__metadata__" first, and pads the
+// header with spaces to a multiple of 8, as huggingface/safetensors does.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+/// "F32", "BF16", ... for a libtorch dtype. Throws for dtypes safetensors has no name for.
+std::string safetensors_dtype_name(c10::ScalarType dtype);
+/// The libtorch dtype of a safetensors dtype name. Names libtorch 1.13 lacks (F8_*, U16, F4, ...)
+/// throw, naming the dtype.
+c10::ScalarType safetensors_scalar_type(const std::string& dtype);
+
+struct SafetensorsTensorInfo {
+  std::string name;
+  /// The dtype name as written in the file.
+  std::string dtype;
+  std::vector<int64_t> shape;
+  /// Byte range [begin, end) relative to the data section.
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+
+struct SafetensorsHeader {
+  /// The "__metadata__" entries (string values only).
+  std::map<std::string, std::string> metadata;
+  /// Every tensor, in data-section order.
+  std::vector<SafetensorsTensorInfo> tensors;
+  /// File offset of the data section (8 + header length).
+  int64_t data_offset = 0;
+  /// The tensor named `name`, or nullptr.
+  const SafetensorsTensorInfo* find(const std::string& name) const;
+};
+
+/// Parses and validates the bytes of a whole file. `source` names the file in errors.
+SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std::string& source);
+
+/// A read-only, memory-mapped safetensors file.
+class SafetensorsReader {
+ public:
+  explicit SafetensorsReader(const std::string& path);
+  ~SafetensorsReader();
+  SafetensorsReader(SafetensorsReader&& other) noexcept;
+  SafetensorsReader& operator=(SafetensorsReader&& other) noexcept;
+  SafetensorsReader(const SafetensorsReader&) = delete;
+  SafetensorsReader& operator=(const SafetensorsReader&) = delete;
+
+  const std::string& path() const { return path_; }
+  const SafetensorsHeader& header() const { return header_; }
+  bool contains(const std::string& name) const { return header_.find(name) != nullptr; }
+  /// A copy of tensor `name` (an error names the file and lists nothing else when it is missing).
+  at::Tensor tensor(const std::string& name) const;
+  /// A copy of rows [row_begin, row_begin + row_count) on dim 0 of tensor `name`; only those bytes
+  /// are touched.
+  at::Tensor rows(const std::string& name, int64_t row_begin, int64_t row_count) const;
+
+ private:
+  const SafetensorsTensorInfo& info(const std::string& name) const;
+  std::string path_;
+  const uint8_t* mapping_ = nullptr;
+  size_t size_ = 0;
+  SafetensorsHeader header_;
+};
+
+/// The file's bytes for `tensors` with `metadata` as "__metadata__" (omitted when empty). Tensors must
+/// be distinct, contiguous CPU tensors.
+std::string serialize_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                                  const std::map<std::string, std::string>& metadata);
+
+/// Writes a safetensors file atomically (temporary name, fsync, rename) with "format": "pt" added to
+/// `metadata`, as transformers requires. Tensors are written piece by piece, never copied whole.
+void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
+                       std::map<std::string, std::string> metadata = {});
+
+}  // namespace fsdp

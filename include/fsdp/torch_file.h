@@ -1,0 +1,27 @@
+// Files in PyTorch's torch.save format (a zip of a pickle and raw storages), for `.bin` checkpoints.
+//
+// Writing uses libtorch's own pickler, whose output Python's torch.load reads; reading accepts those
+// files and Python's torch.save of plain dicts, lists, tuples, numbers, strings and tensors
+// (libtorch 1.13 cannot unpickle an OrderedDict: save `dict(state_dict)` from Python).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace fsdp {
+
+/// Writes `value` atomically (temporary name, fsync, rename).
+void save_torch_file(const std::string& path, const c10::IValue& value);
+/// Reads a torch.save file. Errors name the file.
+c10::IValue load_torch_file(const std::string& path);
+
+/// A dict {name: tensor} in the given order.
+c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
+/// The entries of a {name: tensor} dict; `source` names the file in errors.
+std::vector<std::pair<std::string, at::Tensor>> tensor_dict_items(const c10::IValue& value, const std::string& source);
+
+}  // namespace fsdp

@@ -1,0 +1,202 @@
+#include "checkpoint/optimizer_state.h"
+
+#include <ATen/ATen.h>
+#include <torch/optim.h>
+
+namespace fsdp::detail {
+namespace {
+
+at::Tensor step_tensor(int64_t step) { return at::scalar_tensor(static_cast<double>(step), at::kFloat); }
+
+const at::Tensor* field(const std::vector<std::pair<std::string, at::Tensor>>& fields, const std::string& name) {
+  for (const auto& [key, tensor] : fields) {
+    if (key == name) return &tensor;
+  }
+  return nullptr;
+}
+
+at::Tensor required(const std::vector<std::pair<std::string, at::Tensor>>& fields, const std::string& name,
+                    const std::string& type, const std::string& parameter_name) {
+  const auto* found = field(fields, name);
+  TORCH_CHECK(found && found->defined(), type, " state of parameter '", parameter_name, "' lacks its '", name,
+              "' field; the checkpoint was written for another optimizer or is damaged");
+  return *found;
+}
+
+int64_t step_of(const std::vector<std::pair<std::string, at::Tensor>>& fields, const std::string& type,
+                const std::string& parameter_name) {
+  return static_cast<int64_t>(required(fields, "step", type, parameter_name).item<double>());
+}
+
+void push_if_defined(std::vector<std::pair<std::string, at::Tensor>>& fields, const char* name, const at::Tensor& tensor) {
+  if (tensor.defined()) fields.emplace_back(name, tensor);
+}
+
+double number(const nlohmann::json& values, const char* key, const std::string& type) {
+  TORCH_CHECK(values.contains(key) && values[key].is_number(), type, " parameter group lacks the number '", key,
+              "' (found ", values.dump(), ")");
+  return values[key].get<double>();
+}
+
+bool flag(const nlohmann::json& values, const char* key, const std::string& type) {
+  TORCH_CHECK(values.contains(key) && values[key].is_boolean(), type, " parameter group lacks the bool '", key,
+              "' (found ", values.dump(), ")");
+  return values[key].get<bool>();
+}
+
+std::tuple<double, double> betas(const nlohmann::json& values, const std::string& type) {
+  TORCH_CHECK(values.contains("betas") && values["betas"].is_array() && values["betas"].size() == 2, type,
+              " parameter group lacks 'betas' as two numbers (found ", values.dump(), ")");
+  return {values["betas"][0].get<double>(), values["betas"][1].get<double>()};
+}
+
+}  // namespace
+
+std::string optimizer_type(torch::optim::Optimizer& optimizer) {
+  if (dynamic_cast<torch::optim::AdamW*>(&optimizer)) return "AdamW";
+  if (dynamic_cast<torch::optim::Adam*>(&optimizer)) return "Adam";
+  if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return "SGD";
+  if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) return "Adagrad";
+  if (dynamic_cast<torch::optim::RMSprop*>(&optimizer)) return "RMSprop";
+  TORCH_CHECK(false, "optimizer state dicts support torch::optim AdamW, Adam, SGD, Adagrad and RMSprop; this "
+                     "optimizer is none of them (LBFGS keeps a history that cannot be sharded)");
+}
+
+std::vector<std::pair<std::string, at::Tensor>> state_fields(const std::string& type,
+                                                             torch::optim::OptimizerParamState& state) {
+  std::vector<std::pair<std::string, at::Tensor>> fields;
+  if (type == "AdamW") {
+    auto& typed = static_cast<torch::optim::AdamWParamState&>(state);
+    fields.emplace_back("step", step_tensor(typed.step()));
+    push_if_defined(fields, "exp_avg", typed.exp_avg());
+    push_if_defined(fields, "exp_avg_sq", typed.exp_avg_sq());
+    push_if_defined(fields, "max_exp_avg_sq", typed.max_exp_avg_sq());
+  } else if (type == "Adam") {
+    auto& typed = static_cast<torch::optim::AdamParamState&>(state);
+    fields.emplace_back("step", step_tensor(typed.step()));
+    push_if_defined(fields, "exp_avg", typed.exp_avg());
+    push_if_defined(fields, "exp_avg_sq", typed.exp_avg_sq());
+    push_if_defined(fields, "max_exp_avg_sq", typed.max_exp_avg_sq());
+  } else if (type == "SGD") {
+    push_if_defined(fields, "momentum_buffer", static_cast<torch::optim::SGDParamState&>(state).momentum_buffer());
+  } else if (type == "Adagrad") {
+    auto& typed = static_cast<torch::optim::AdagradParamState&>(state);
+    fields.emplace_back("step", step_tensor(typed.step()));
+    push_if_defined(fields, "sum", typed.sum());
+  } else if (type == "RMSprop") {
+    auto& typed = static_cast<torch::optim::RMSpropParamState&>(state);
+    fields.emplace_back("step", step_tensor(typed.step()));
+    push_if_defined(fields, "square_avg", typed.square_avg());
+    push_if_defined(fields, "momentum_buffer", typed.momentum_buffer());
+    push_if_defined(fields, "grad_avg", typed.grad_avg());
+  } else {
+    TORCH_INTERNAL_ASSERT(false, "unknown optimizer type ", type);
+  }
+  return fields;
+}
+
+std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+    const std::string& type, const std::vector<std::pair<std::string, at::Tensor>>& fields,
+    const std::string& parameter_name) {
+  auto optional = [&](const char* name) {
+    const auto* found = field(fields, name);
+    return found ? *found : at::Tensor();
+  };
+  if (type == "AdamW" || type == "Adam") {
+    auto fill = [&](auto state) {
+      state->step(step_of(fields, type, parameter_name));
+      state->exp_avg(required(fields, "exp_avg", type, parameter_name));
+      state->exp_avg_sq(required(fields, "exp_avg_sq", type, parameter_name));
+      state->max_exp_avg_sq(optional("max_exp_avg_sq"));
+      return std::unique_ptr<torch::optim::OptimizerParamState>(std::move(state));
+    };
+    if (type == "AdamW") return fill(std::make_unique<torch::optim::AdamWParamState>());
+    return fill(std::make_unique<torch::optim::AdamParamState>());
+  }
+  if (type == "SGD") {
+    auto state = std::make_unique<torch::optim::SGDParamState>();
+    state->momentum_buffer(optional("momentum_buffer"));
+    return state;
+  }
+  if (type == "Adagrad") {
+    auto state = std::make_unique<torch::optim::AdagradParamState>();
+    state->step(step_of(fields, type, parameter_name));
+    state->sum(required(fields, "sum", type, parameter_name));
+    return state;
+  }
+  if (type == "RMSprop") {
+    auto state = std::make_unique<torch::optim::RMSpropParamState>();
+    state->step(step_of(fields, type, parameter_name));
+    state->square_avg(required(fields, "square_avg", type, parameter_name));
+    state->momentum_buffer(optional("momentum_buffer"));
+    state->grad_avg(optional("grad_avg"));
+    return state;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown optimizer type ", type);
+}
+
+nlohmann::json options_json(const std::string& type, torch::optim::OptimizerOptions& options) {
+  nlohmann::json values;
+  if (type == "AdamW" || type == "Adam") {
+    auto write = [&](auto& typed) {
+      values["lr"] = typed.lr();
+      values["betas"] = {std::get<0>(typed.betas()), std::get<1>(typed.betas())};
+      values["eps"] = typed.eps();
+      values["weight_decay"] = typed.weight_decay();
+      values["amsgrad"] = typed.amsgrad();
+    };
+    if (type == "AdamW") write(static_cast<torch::optim::AdamWOptions&>(options));
+    else write(static_cast<torch::optim::AdamOptions&>(options));
+  } else if (type == "SGD") {
+    auto& typed = static_cast<torch::optim::SGDOptions&>(options);
+    values = {{"lr", typed.lr()}, {"momentum", typed.momentum()}, {"dampening", typed.dampening()},
+              {"weight_decay", typed.weight_decay()}, {"nesterov", typed.nesterov()}};
+  } else if (type == "Adagrad") {
+    auto& typed = static_cast<torch::optim::AdagradOptions&>(options);
+    values = {{"lr", typed.lr()}, {"lr_decay", typed.lr_decay()}, {"weight_decay", typed.weight_decay()},
+              {"initial_accumulator_value", typed.initial_accumulator_value()}, {"eps", typed.eps()}};
+  } else if (type == "RMSprop") {
+    auto& typed = static_cast<torch::optim::RMSpropOptions&>(options);
+    values = {{"lr", typed.lr()}, {"alpha", typed.alpha()}, {"eps", typed.eps()}, {"weight_decay", typed.weight_decay()},
+              {"momentum", typed.momentum()}, {"centered", typed.centered()}};
+  }
+  return values;
+}
+
+void apply_options_json(const std::string& type, const nlohmann::json& values, torch::optim::OptimizerOptions& options) {
+  if (type == "AdamW" || type == "Adam") {
+    auto read = [&](auto& typed) {
+      typed.lr(number(values, "lr", type));
+      typed.betas(betas(values, type));
+      typed.eps(number(values, "eps", type));
+      typed.weight_decay(number(values, "weight_decay", type));
+      typed.amsgrad(flag(values, "amsgrad", type));
+    };
+    if (type == "AdamW") read(static_cast<torch::optim::AdamWOptions&>(options));
+    else read(static_cast<torch::optim::AdamOptions&>(options));
+  } else if (type == "SGD") {
+    auto& typed = static_cast<torch::optim::SGDOptions&>(options);
+    typed.lr(number(values, "lr", type));
+    typed.momentum(number(values, "momentum", type));
+    typed.dampening(number(values, "dampening", type));
+    typed.weight_decay(number(values, "weight_decay", type));
+    typed.nesterov(flag(values, "nesterov", type));
+  } else if (type == "Adagrad") {
+    auto& typed = static_cast<torch::optim::AdagradOptions&>(options);
+    typed.lr(number(values, "lr", type));
+    typed.lr_decay(number(values, "lr_decay", type));
+    typed.weight_decay(number(values, "weight_decay", type));
+    typed.initial_accumulator_value(number(values, "initial_accumulator_value", type));
+    typed.eps(number(values, "eps", type));
+  } else if (type == "RMSprop") {
+    auto& typed = static_cast<torch::optim::RMSpropOptions&>(options);
+    typed.lr(number(values, "lr", type));
+    typed.alpha(number(values, "alpha", type));
+    typed.eps(number(values, "eps", type));
+    typed.weight_decay(number(values, "weight_decay", type));
+    typed.momentum(number(values, "momentum", type));
+    typed.centered(flag(values, "centered", type));
+  }
+}
+
+}  // namespace fsdp::detail
