@@ -3,6 +3,7 @@
 
 #include <fsdp/accelerator.h>
 #include <fsdp/auto_wrap.h>
+#include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
 #include <fsdp/distributed_environment.h>
@@ -11,5 +12,9 @@
 #include <fsdp/plugin.h>
 #include <fsdp/pretrained_model.h>
 #include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
 #include <fsdp/shard_layout.h>
+#include <fsdp/sharded_checkpoint.h>
+#include <fsdp/state_dict.h>
+#include <fsdp/torch_file.h>
 #include <fsdp/version.h>

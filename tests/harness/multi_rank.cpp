@@ -5,6 +5,8 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <set>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +16,8 @@ namespace fsdp::testing {
 namespace {
 
 constexpr const char* kRankVariable = "FSDP_TEST_HARNESS_RANK";
+constexpr const char* kCallVariable = "FSDP_TEST_HARNESS_CALL";
+constexpr const char* kParentVariable = "FSDP_TEST_HARNESS_PARENT";
 
 std::string current_test_filter() {
   const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
@@ -27,13 +31,42 @@ std::string read_file(const std::string& path) {
   return text.str();
 }
 
+/// Which run_processes call of the current test this is: a rank process replays the whole test body
+/// and runs only the call it was started for.
+int next_call_index() {
+  static std::string test;
+  static int index = 0;
+  const auto name = current_test_filter();
+  if (name != test) {
+    test = name;
+    index = 0;
+  }
+  return index++;
+}
+
 }  // namespace
+
+std::string shared_temporary_directory() {
+  const char* parent = std::getenv(kParentVariable);
+  const std::string owner = parent ? parent : std::to_string(::getpid());
+  auto name = current_test_filter();
+  std::replace(name.begin(), name.end(), '/', '_');
+  auto path = std::filesystem::temp_directory_path() / ("fsdp_test_" + owner + "_" + name);
+  static std::set<std::string> prepared;
+  if (!parent && prepared.insert(path.string()).second) {
+    std::filesystem::remove_all(path);
+    std::filesystem::create_directories(path);
+  }
+  return path.string();
+}
 
 bool is_rank_process() { return std::getenv(kRankVariable) != nullptr; }
 
 void run_processes(int world_size, const std::function<void(int rank)>& body, const MultiRankOptions& options) {
+  const int call = next_call_index();
   if (const char* rank_text = std::getenv(kRankVariable)) {
-    body(std::atoi(rank_text));
+    const char* call_text = std::getenv(kCallVariable);
+    if (call_text && std::atoi(call_text) == call) body(std::atoi(rank_text));
     return;
   }
   const int port = detail::pick_free_port();
@@ -56,6 +89,8 @@ void run_processes(int world_size, const std::function<void(int rank)>& body, co
     spec.environment["OMP_NUM_THREADS"] = "1";
     spec.environment["FSDP_COLLECTIVE_TIMEOUT"] = std::to_string(options.collective_timeout.count());
     spec.environment[kRankVariable] = std::to_string(rank);
+    spec.environment[kCallVariable] = std::to_string(call);
+    spec.environment[kParentVariable] = std::to_string(::getpid());
     if (options.environment_for_rank) {
       for (const auto& [name, value] : options.environment_for_rank(rank)) spec.environment[name] = value;
     }

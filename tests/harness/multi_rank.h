@@ -26,6 +26,11 @@ struct MultiRankOptions {
   std::function<std::map<std::string, std::string>(int rank)> environment_for_rank;
 };
 
+/// A directory shared by the test process and its rank processes, emptied when the test (not a
+/// rank) first asks for it. Several run_on_ranks calls in one test (save on N ranks, load on M) run
+/// one after another; each rank process runs only the call it was started for.
+std::string shared_temporary_directory();
+
 /// True inside a rank process started by the harness.
 bool is_rank_process();
 

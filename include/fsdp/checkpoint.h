@@ -1,0 +1,61 @@
+// Checkpoints of a sharded model, its optimizer and the training progress, in Accelerate's layout
+// (spec §4.7), so that a resumed run continues exactly where the saved one stopped.
+//
+//   FULL     pytorch_model_fsdp.bin (or .safetensors) and optimizer.bin, written by rank 0
+//   SHARDED  pytorch_model_fsdp_0/ and optimizer_0/: one safetensors file per rank and metadata.json
+//            (docs/checkpoint-format.md); loads on any number of ranks
+//   LOCAL    pytorch_model_fsdp_rank<r>.bin per rank (same world size to load) and optimizer_0/
+//   always   random_states_<r>.pkl per rank (step and CPU generator state), scheduler.bin,
+//            dl_state_dict.bin (data position), and checkpoint_complete.json, written by rank 0 once
+//            every rank has finished: a directory without it is an incomplete checkpoint.
+//
+// Every file is written to a temporary name, fsynced and renamed. Saving and loading are collective:
+// every rank calls them with the same directory; a rank that calls something else, or nothing, is
+// reported instead of leaving the others waiting forever.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include <fsdp/plugin.h>
+#include <fsdp/process_group.h>
+
+namespace fsdp {
+
+/// What besides model and optimizer a resumed run needs.
+struct TrainingProgress {
+  /// Optimizer steps taken. Default: 0.
+  int64_t step = 0;
+  /// Where the data loader is (samples or batches consumed, as the training loop counts). Default: 0.
+  int64_t data_position = 0;
+  /// The learning-rate scheduler's state. Default: empty.
+  std::map<std::string, double> scheduler;
+};
+
+struct CheckpointOptions {
+  /// Layout of model and optimizer. Default: SHARDED_STATE_DICT.
+  StateDictType state_dict_type = StateDictType::kShardedStateDict;
+  /// FULL only: write the model as pytorch_model_fsdp.safetensors instead of the torch .bin.
+  /// Default: false.
+  bool full_model_safetensors = false;
+};
+
+/// Saves into `directory` (created if needed). Collective.
+void save_checkpoint(const std::string& directory, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                     const DistributedContext& context, const TrainingProgress& progress,
+                     const CheckpointOptions& options = {});
+
+/// Loads a checkpoint written by save_checkpoint (its layout is recognized from the files), restores
+/// this rank's generator state and returns the progress. SHARDED checkpoints load on any world size.
+/// Collective.
+TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,
+                                 torch::optim::Optimizer& optimizer, const DistributedContext& context);
+
+/// Whether `directory` holds a finished checkpoint (its completion marker exists).
+bool is_complete_checkpoint(const std::string& directory);
+
+}  // namespace fsdp

@@ -1,0 +1,53 @@
+#include "checkpoint/agreement.h"
+
+#include <ATen/ATen.h>
+
+#include <cstring>
+
+#include <fsdp/collectives.h>
+
+namespace fsdp::detail {
+
+std::vector<std::string> all_gather_strings(const ProcessGroup& group, const std::string& text) {
+  const int64_t size = group.size();
+  auto length = at::full({1}, static_cast<int64_t>(text.size()), at::kLong);
+  auto lengths = at::empty({size}, at::kLong);
+  all_gather(group, lengths, length);
+  const int64_t longest = std::max<int64_t>(lengths.max().item<int64_t>(), 1);
+  auto mine = at::zeros({longest}, at::kByte);
+  if (!text.empty()) std::memcpy(mine.data_ptr(), text.data(), text.size());
+  auto everyone = at::empty({size * longest}, at::kByte);
+  all_gather(group, everyone, mine);
+  std::vector<std::string> result;
+  for (int64_t rank = 0; rank < size; ++rank) {
+    const auto* bytes = static_cast<const char*>(everyone.data_ptr()) + rank * longest;
+    result.emplace_back(bytes, static_cast<size_t>(lengths[rank].item<int64_t>()));
+  }
+  return result;
+}
+
+void agree_on_operation(const DistributedContext& context, const std::string& operation) {
+  std::vector<std::string> operations;
+  try {
+    operations = all_gather_strings(context.world(), operation);
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(false, operation, ": not every rank joined (", error.what_without_backtrace(),
+                "). Every rank must call it, with the same directory; calling it only on the main process blocks "
+                "the others");
+  }
+  for (size_t rank = 0; rank < operations.size(); ++rank) {
+    TORCH_CHECK(operations[rank] == operation, "rank ", context.rank(), " called ", operation, " but rank ", rank,
+                " called ", operations[rank], "; every rank must make the same checkpoint call");
+  }
+}
+
+void raise_if_any_rank_failed(const DistributedContext& context, const std::string& local_error) {
+  const auto errors = all_gather_strings(context.world(), local_error);
+  for (size_t rank = 0; rank < errors.size(); ++rank) {
+    if (errors[rank].empty()) continue;
+    TORCH_CHECK(static_cast<int64_t>(rank) != context.rank(), errors[rank]);
+    TORCH_CHECK(false, "rank ", rank, " failed: ", errors[rank]);
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,23 @@
+// Private: collectives that keep ranks from waiting on each other forever when they disagree.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include <fsdp/process_group.h>
+
+namespace fsdp::detail {
+
+/// Every rank's string, in rank order (lengths, then padded bytes, over two all-gathers).
+std::vector<std::string> all_gather_strings(const ProcessGroup& group, const std::string& text);
+
+/// Every rank states the operation it is entering; a rank that entered another one is named, and a
+/// rank that never arrives makes the others fail after FSDP_COLLECTIVE_TIMEOUT with a message that
+/// says every rank must call `operation` (calling it on rank 0 only is the classic mistake).
+void agree_on_operation(const DistributedContext& context, const std::string& operation);
+
+/// Raises on every rank when any rank's `local_error` is non-empty (naming that rank), so one rank's
+/// missing file cannot leave the others blocked in the next collective.
+void raise_if_any_rank_failed(const DistributedContext& context, const std::string& local_error);
+
+}  // namespace fsdp::detail

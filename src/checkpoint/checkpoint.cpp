@@ -1,0 +1,264 @@
+#include <fsdp/checkpoint.h>
+
+#include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fsdp/collectives.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/sharded_checkpoint.h>
+#include <fsdp/state_dict.h>
+#include <fsdp/torch_file.h>
+#include <fsdp/version.h>
+
+#include "checkpoint/agreement.h"
+#include "io/atomic_file.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kMarker = "checkpoint_complete.json";
+constexpr const char* kFullModelBin = "pytorch_model_fsdp.bin";
+constexpr const char* kFullModelSafetensors = "pytorch_model_fsdp.safetensors";
+constexpr const char* kFullOptimizer = "optimizer.bin";
+constexpr const char* kShardedModel = "pytorch_model_fsdp_0";
+constexpr const char* kShardedOptimizer = "optimizer_0";
+constexpr const char* kScheduler = "scheduler.bin";
+constexpr const char* kDataPosition = "dl_state_dict.bin";
+
+std::string local_model_file(int64_t rank) { return "pytorch_model_fsdp_rank" + std::to_string(rank) + ".bin"; }
+std::string random_states_file(int64_t rank) { return "random_states_" + std::to_string(rank) + ".pkl"; }
+
+std::string path_in(const std::string& directory, const std::string& name) { return (fs::path(directory) / name).string(); }
+
+std::string canonical(const std::string& directory) { return fs::absolute(directory).lexically_normal().string(); }
+
+StateDictType type_from_name(const std::string& name, const std::string& marker) {
+  for (auto type : {StateDictType::kFullStateDict, StateDictType::kShardedStateDict, StateDictType::kLocalStateDict}) {
+    if (name == to_string(type)) return type;
+  }
+  TORCH_CHECK(false, "'", marker, "' names an unknown state_dict_type '", name, "'");
+}
+
+void save_progress(const std::string& directory, const DistributedContext& context, const TrainingProgress& progress) {
+  auto generator = at::detail::getDefaultCPUGenerator();
+  at::Tensor generator_state;
+  {
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator_state = generator.get_state();
+  }
+  c10::impl::GenericDict random_states(c10::StringType::get(), c10::AnyType::get());
+  random_states.insert("step", progress.step);
+  random_states.insert("torch_manual_seed", generator_state);
+  save_torch_file(path_in(directory, random_states_file(context.rank())), random_states);
+  if (context.rank() != 0) return;
+  c10::Dict<std::string, double> scheduler;
+  for (const auto& [name, value] : progress.scheduler) scheduler.insert(name, value);
+  save_torch_file(path_in(directory, kScheduler), scheduler);
+  c10::impl::GenericDict data(c10::StringType::get(), c10::AnyType::get());
+  data.insert("data_position", progress.data_position);
+  save_torch_file(path_in(directory, kDataPosition), data);
+}
+
+TrainingProgress load_progress(const std::string& directory, const DistributedContext& context, int64_t saved_world_size,
+                               int64_t marker_step) {
+  TrainingProgress progress;
+  progress.step = marker_step;
+  const auto scheduler = load_torch_file(path_in(directory, kScheduler));
+  TORCH_CHECK(scheduler.isGenericDict(), "'", path_in(directory, kScheduler), "' is not a dict");
+  for (const auto& entry : scheduler.toGenericDict()) {
+    progress.scheduler[entry.key().toStringRef()] = entry.value().toDouble();
+  }
+  const auto data = load_torch_file(path_in(directory, kDataPosition));
+  TORCH_CHECK(data.isGenericDict() && data.toGenericDict().contains("data_position"), "'",
+              path_in(directory, kDataPosition), "' lacks data_position");
+  progress.data_position = data.toGenericDict().at("data_position").toInt();
+  // The generator continues exactly where this rank's was; a rank that did not exist when the
+  // checkpoint was saved (more ranks now) keeps its own.
+  if (context.rank() < saved_world_size) {
+    const auto path = path_in(directory, random_states_file(context.rank()));
+    const auto states = load_torch_file(path);
+    TORCH_CHECK(states.isGenericDict() && states.toGenericDict().contains("torch_manual_seed"), "'", path,
+                "' lacks torch_manual_seed");
+    auto generator = at::detail::getDefaultCPUGenerator();
+    std::lock_guard<std::mutex> lock(generator.mutex());
+    generator.set_state(states.toGenericDict().at("torch_manual_seed").toTensor());
+  }
+  return progress;
+}
+
+std::string optimizer_extra(const OptimizerStateDict& state) {
+  nlohmann::json extra;
+  extra["optimizer"] = state.optimizer;
+  extra["param_groups"] = nlohmann::json::parse(state.param_groups_json);
+  return extra.dump();
+}
+
+void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                   const ShardedDirectoryReader& reader) {
+  const auto extra = nlohmann::json::parse(reader.extra_json());
+  TORCH_CHECK(extra.contains("optimizer") && extra.contains("param_groups"), reader.description(),
+              " does not hold optimizer state (no optimizer and param_groups in its metadata)");
+  load_optimizer_state_dict(model, optimizer, extra["optimizer"].get<std::string>(), extra["param_groups"].dump(), reader);
+}
+
+}  // namespace
+
+bool is_complete_checkpoint(const std::string& directory) { return fs::exists(path_in(directory, kMarker)); }
+
+void save_checkpoint(const std::string& directory, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                     const DistributedContext& context, const TrainingProgress& progress,
+                     const CheckpointOptions& options) {
+  const bool main = context.rank() == 0;
+  // An overwritten directory counts as incomplete until this save has finished everywhere.
+  if (main && fs::exists(path_in(directory, kMarker))) fs::remove(path_in(directory, kMarker));
+  detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
+  std::string error;
+  try {
+    fs::create_directories(directory);
+  } catch (const std::exception& failure) {
+    error = "cannot create checkpoint directory '" + directory + "': " + failure.what();
+  }
+  detail::raise_if_any_rank_failed(context, error);
+
+  switch (options.state_dict_type) {
+    case StateDictType::kFullStateDict: {
+      // As Accelerate does: gather to rank 0 only when there are other ranks.
+      StateDictConfig config{true, context.world_size() > 1};
+      auto model_state = full_model_state_dict(model, config);
+      auto optimizer_state = full_optimizer_state_dict(model, optimizer, config);
+      if (main) {
+        if (options.full_model_safetensors) {
+          write_safetensors(path_in(directory, kFullModelSafetensors), model_state);
+        } else {
+          save_torch_file(path_in(directory, kFullModelBin), tensor_dict(model_state));
+        }
+        save_torch_file(path_in(directory, kFullOptimizer), optimizer_state_dict_to_ivalue(optimizer_state));
+      }
+      break;
+    }
+    case StateDictType::kShardedStateDict:
+    case StateDictType::kLocalStateDict: {
+      if (options.state_dict_type == StateDictType::kShardedStateDict) {
+        write_sharded_directory(path_in(directory, kShardedModel), sharded_model_state_dict(model), context);
+      } else {
+        save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(local_model_state_dict(model)));
+      }
+      const auto optimizer_state = sharded_optimizer_state_dict(model, optimizer);
+      write_sharded_directory(path_in(directory, kShardedOptimizer), optimizer_state.tensors, context,
+                              optimizer_extra(optimizer_state));
+      break;
+    }
+  }
+  save_progress(directory, context, progress);
+  // The marker is written only once every rank has written everything.
+  detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "') finished");
+  if (main) {
+    nlohmann::json marker;
+    marker["state_dict_type"] = to_string(options.state_dict_type);
+    marker["world_size"] = context.world_size();
+    marker["step"] = progress.step;
+    marker["fsdp_cpp_version"] = version();
+    detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
+  }
+  barrier(context.world());
+}
+
+TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,
+                                 torch::optim::Optimizer& optimizer, const DistributedContext& context) {
+  detail::agree_on_operation(context, "load_checkpoint('" + canonical(directory) + "')");
+  StateDictType type = StateDictType::kShardedStateDict;
+  int64_t saved_world_size = 0;
+  int64_t step = 0;
+  std::unique_ptr<ShardedDirectoryReader> model_reader;
+  std::unique_ptr<ShardedDirectoryReader> optimizer_reader;
+  std::string model_file;
+  std::string error;
+  try {
+    const auto marker_path = path_in(directory, kMarker);
+    TORCH_CHECK(fs::is_directory(directory), "checkpoint directory '", directory, "' does not exist");
+    TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
+                " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
+                "Load an earlier checkpoint");
+    std::ifstream file(marker_path);
+    std::stringstream text;
+    text << file.rdbuf();
+    nlohmann::json marker;
+    try {
+      marker = nlohmann::json::parse(text.str());
+    } catch (const nlohmann::json::exception& failure) {
+      TORCH_CHECK(false, "'", marker_path, "' is not valid JSON (", failure.what(), ")");
+    }
+    TORCH_CHECK(marker.is_object() && marker.contains("state_dict_type") && marker.contains("world_size"), "'",
+                marker_path, "' lacks state_dict_type or world_size");
+    type = type_from_name(marker["state_dict_type"].get<std::string>(), marker_path);
+    saved_world_size = marker["world_size"].get<int64_t>();
+    step = marker.value("step", int64_t{0});
+    if (type == StateDictType::kFullStateDict) {
+      model_file = fs::exists(path_in(directory, kFullModelSafetensors)) ? path_in(directory, kFullModelSafetensors)
+                                                                          : path_in(directory, kFullModelBin);
+      TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", kFullModelBin);
+      TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
+                  kFullOptimizer);
+    } else {
+      if (type == StateDictType::kShardedStateDict) {
+        model_reader = std::make_unique<ShardedDirectoryReader>(path_in(directory, kShardedModel));
+      } else {
+        TORCH_CHECK(saved_world_size == context.world_size(), "checkpoint directory '", directory,
+                    "' holds a LOCAL_STATE_DICT saved by ", saved_world_size, " ranks; it loads only on ",
+                    saved_world_size, " ranks, not ", context.world_size(),
+                    ". Save with SHARDED_STATE_DICT to change the number of ranks");
+        model_file = path_in(directory, local_model_file(context.rank()));
+        TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ",
+                    local_model_file(context.rank()));
+      }
+      optimizer_reader = std::make_unique<ShardedDirectoryReader>(path_in(directory, kShardedOptimizer));
+    }
+  } catch (const c10::Error& failure) {
+    error = failure.what_without_backtrace();
+  }
+  detail::raise_if_any_rank_failed(context, error);
+
+  switch (type) {
+    case StateDictType::kFullStateDict: {
+      std::unique_ptr<TensorListSource> source;
+      if (context.rank() == 0) {
+        TensorList tensors;
+        if (model_file.size() >= 12 && model_file.substr(model_file.size() - 12) == ".safetensors") {
+          SafetensorsReader reader(model_file);
+          for (const auto& info : reader.header().tensors) tensors.emplace_back(info.name, reader.tensor(info.name));
+        } else {
+          tensors = tensor_dict_items(load_torch_file(model_file), model_file);
+        }
+        source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
+      }
+      load_model_state_dict_from_rank0(model, context, source.get());
+      const auto optimizer_path = path_in(directory, kFullOptimizer);
+      const auto state = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
+      TensorList tensors;
+      for (const auto& [name, tensor] : state.tensors) tensors.emplace_back(name, tensor.local);
+      load_optimizer_state_dict(model, optimizer, state.optimizer, state.param_groups_json,
+                                TensorListSource(std::move(tensors), "'" + optimizer_path + "'"));
+      break;
+    }
+    case StateDictType::kShardedStateDict:
+      load_model_state_dict(model, *model_reader);
+      load_optimizer_from_directory(model, optimizer, *optimizer_reader);
+      break;
+    case StateDictType::kLocalStateDict:
+      load_local_model_state_dict(model, tensor_dict_items(load_torch_file(model_file), model_file));
+      load_optimizer_from_directory(model, optimizer, *optimizer_reader);
+      break;
+  }
+  auto progress = load_progress(directory, context, saved_world_size, step);
+  barrier(context.world());
+  return progress;
+}
+
+}  // namespace fsdp

@@ -1,0 +1,187 @@
+#include <fsdp/sharded_checkpoint.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+#include <fsdp/collectives.h>
+
+#include "checkpoint/agreement.h"
+#include "io/atomic_file.h"
+
+namespace fsdp {
+
+const char* const kShardedMetadataFile = "metadata.json";
+
+namespace {
+
+constexpr const char* kFormatName = "fsdp.cpp sharded checkpoint";
+constexpr int64_t kFormatVersion = 1;
+
+std::string rank_file_name(int64_t rank) {
+  char name[64];
+  std::snprintf(name, sizeof(name), "rank_%05lld.safetensors", static_cast<long long>(rank));
+  return name;
+}
+
+int64_t rows_of(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
+
+}  // namespace
+
+void write_sharded_directory(const std::string& directory, const ShardedTensorList& tensors,
+                             const DistributedContext& context, const std::string& extra_json) {
+  std::filesystem::create_directories(directory);
+  const int64_t rank = context.rank();
+  const auto file = rank_file_name(rank);
+  std::vector<std::pair<std::string, at::Tensor>> local;
+  nlohmann::json chunks = nlohmann::json::object();
+  for (const auto& [name, tensor] : tensors) {
+    if (tensor.replicated && rank != 0) continue;
+    if (tensor.global_shape.empty()) {
+      // A 0-dim tensor is one row, held whole by one rank; the others hold an empty shard.
+      if (tensor.local.numel() == 0) continue;
+      local.emplace_back(name, tensor.local.reshape({}).contiguous());
+      chunks[name] = {{"file", file}, {"row_offset", 0}, {"rows", 1}};
+      continue;
+    }
+    local.emplace_back(name, tensor.local.contiguous());
+    const int64_t rows = tensor.replicated ? rows_of(tensor.global_shape) : tensor.local.size(0);
+    chunks[name] = {{"file", file}, {"row_offset", tensor.replicated ? 0 : tensor.row_offset}, {"rows", rows}};
+  }
+  write_safetensors((std::filesystem::path(directory) / file).string(), local);
+  // Rank 0 learns every rank's chunks only after each has written its file, so the metadata never
+  // describes a file that does not exist yet.
+  const auto all_chunks = detail::all_gather_strings(context.world(), chunks.dump());
+  if (rank != 0) return;
+  nlohmann::json metadata;
+  metadata["format"] = kFormatName;
+  metadata["version"] = kFormatVersion;
+  metadata["world_size"] = context.world_size();
+  metadata["extra"] = extra_json.empty() ? nlohmann::json::object() : nlohmann::json::parse(extra_json);
+  auto entries = nlohmann::json::array();
+  std::vector<nlohmann::json> parsed;
+  for (const auto& text : all_chunks) parsed.push_back(nlohmann::json::parse(text));
+  for (const auto& [name, tensor] : tensors) {
+    nlohmann::json entry;
+    entry["name"] = name;
+    entry["dtype"] = safetensors_dtype_name(tensor.local.scalar_type());
+    entry["shape"] = tensor.global_shape;
+    auto list = nlohmann::json::array();
+    for (const auto& rank_chunks : parsed) {
+      if (rank_chunks.contains(name) && rank_chunks[name]["rows"].get<int64_t>() > 0) list.push_back(rank_chunks[name]);
+    }
+    if (list.empty() && !parsed.empty() && parsed[0].contains(name)) list.push_back(parsed[0][name]);
+    entry["chunks"] = list;
+    entries.push_back(entry);
+  }
+  metadata["tensors"] = entries;
+  detail::write_file_atomically((std::filesystem::path(directory) / kShardedMetadataFile).string(), metadata.dump(1));
+}
+
+ShardedDirectoryReader::ShardedDirectoryReader(const std::string& directory) : directory_(directory) {
+  const auto metadata_path = std::filesystem::path(directory) / kShardedMetadataFile;
+  std::ifstream file(metadata_path);
+  TORCH_CHECK(file, "sharded checkpoint directory '", directory, "' has no ", kShardedMetadataFile,
+              ": it is not a checkpoint directory, or its save did not finish");
+  std::stringstream text;
+  text << file.rdbuf();
+  nlohmann::json metadata;
+  try {
+    metadata = nlohmann::json::parse(text.str());
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK(false, "'", metadata_path.string(), "' is not valid JSON (", error.what(), ")");
+  }
+  auto fail = [&](const std::string& what) {
+    TORCH_CHECK(false, "'", metadata_path.string(), "': ", what);
+  };
+  if (!metadata.is_object() || metadata.value("format", "") != kFormatName) fail("not an fsdp.cpp sharded checkpoint");
+  if (metadata.value("version", 0) != kFormatVersion) {
+    fail("format version " + metadata.value("version", nlohmann::json(nullptr)).dump() + ", this build reads version 1");
+  }
+  if (!metadata.contains("world_size") || !metadata["world_size"].is_number_integer()) fail("no world_size");
+  world_size_ = metadata["world_size"].get<int64_t>();
+  if (metadata.contains("extra")) extra_json_ = metadata["extra"].dump();
+  if (!metadata.contains("tensors") || !metadata["tensors"].is_array()) fail("no tensor list");
+  for (const auto& item : metadata["tensors"]) {
+    if (!item.is_object() || !item.contains("name") || !item["name"].is_string() || !item.contains("shape") ||
+        !item.contains("chunks") || !item.contains("dtype")) {
+      fail("malformed tensor entry " + item.dump());
+    }
+    const auto name = item["name"].get<std::string>();
+    Entry entry;
+    entry.dtype = item["dtype"].get<std::string>();
+    entry.shape = item["shape"].get<std::vector<int64_t>>();
+    for (const auto& chunk : item["chunks"]) {
+      entry.chunks.push_back({chunk.at("file").get<std::string>(), chunk.at("row_offset").get<int64_t>(),
+                              chunk.at("rows").get<int64_t>()});
+    }
+    std::sort(entry.chunks.begin(), entry.chunks.end(),
+              [](const Chunk& left, const Chunk& right) { return left.row_offset < right.row_offset; });
+    int64_t covered = 0;
+    for (const auto& chunk : entry.chunks) {
+      if (chunk.row_offset != covered) {
+        fail("tensor '" + name + "' has rows " + std::to_string(covered) + ".." + std::to_string(chunk.row_offset) +
+             (chunk.row_offset > covered ? " in no file" : " in two files"));
+      }
+      covered += chunk.rows;
+      if (!files_.count(chunk.file)) {
+        const auto path = std::filesystem::path(directory) / chunk.file;
+        TORCH_CHECK(std::filesystem::exists(path), "sharded checkpoint directory '", directory, "' lacks '", chunk.file,
+                    "' (it was written by ", world_size_, " ranks); the checkpoint is incomplete");
+        files_[chunk.file] = std::make_shared<SafetensorsReader>(path.string());
+      }
+      const auto* info = files_[chunk.file]->header().find(name);
+      TORCH_CHECK(info, "'", chunk.file, "' in '", directory, "' has no tensor '", name, "' although ",
+                  kShardedMetadataFile, " says it does");
+      auto expected_shape = entry.shape;
+      if (!expected_shape.empty()) expected_shape[0] = chunk.rows;
+      TORCH_CHECK(info->shape == expected_shape && info->dtype == entry.dtype, "'", chunk.file, "' in '", directory,
+                  "' holds '", name, "' as ", info->dtype, " of another shape than ", kShardedMetadataFile,
+                  " says; the directory mixes files of different saves");
+    }
+    if (covered != rows_of(entry.shape)) {
+      fail("tensor '" + name + "' covers " + std::to_string(covered) + " of its " +
+           std::to_string(rows_of(entry.shape)) + " rows");
+    }
+    names_.push_back(name);
+    tensors_[name] = std::move(entry);
+  }
+}
+
+const ShardedDirectoryReader::Entry& ShardedDirectoryReader::entry(const std::string& name) const {
+  auto found = tensors_.find(name);
+  TORCH_CHECK(found != tensors_.end(), description(), " has no tensor '", name, "'");
+  return found->second;
+}
+
+bool ShardedDirectoryReader::contains(const std::string& name) const { return tensors_.count(name) > 0; }
+
+std::vector<int64_t> ShardedDirectoryReader::shape(const std::string& name) const { return entry(name).shape; }
+
+std::string ShardedDirectoryReader::dtype(const std::string& name) const { return entry(name).dtype; }
+
+at::Tensor ShardedDirectoryReader::rows(const std::string& name, int64_t row_begin, int64_t row_count) const {
+  const auto& found = entry(name);
+  if (found.shape.empty()) return files_.at(found.chunks.at(0).file)->tensor(name);
+  std::vector<at::Tensor> pieces;
+  const int64_t row_end = row_begin + row_count;
+  for (const auto& chunk : found.chunks) {
+    const int64_t begin = std::max(row_begin, chunk.row_offset);
+    const int64_t end = std::min(row_end, chunk.row_offset + chunk.rows);
+    if (begin >= end) continue;
+    pieces.push_back(files_.at(chunk.file)->rows(name, begin - chunk.row_offset, end - begin));
+  }
+  if (pieces.empty()) {
+    auto shape = found.shape;
+    shape[0] = 0;
+    return at::empty(shape, at::TensorOptions().dtype(safetensors_scalar_type(found.dtype)));
+  }
+  return pieces.size() == 1 ? pieces.front() : at::cat(pieces);
+}
+
+}  // namespace fsdp

@@ -1,0 +1,294 @@
+// Checkpoints: every layout round-trips model, optimizer and progress; SHARDED checkpoints load on
+// another number of ranks; a resumed run continues bit for bit; broken directories are named errors.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include <fsdp/fsdp.h>
+
+#include "engine/parity.h"
+#include "engine/test_models.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+using testing::unique_parameters;
+
+constexpr int64_t kBatch = 12;
+
+torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
+std::pair<torch::Tensor, torch::Tensor> token_batch(int step) {
+  torch::manual_seed(4000 + step);
+  auto tokens = torch::randint(0, 11, {kBatch, 6});
+  return {tokens.narrow(1, 0, 5), tokens.narrow(1, 1, 5)};
+}
+
+torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+torch::Tensor local_slice(const torch::Tensor& global, const DistributedContext& context) {
+  const int64_t local = global.size(0) / context.world_size();
+  return global.narrow(0, context.rank() * local, local);
+}
+
+/// A sharded tiny transformer (tied embeddings, layer norms) with its optimizer.
+struct Trainer {
+  testing::TinyTransformer model{nullptr};
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+
+  Trainer(const DistributedContext& context, uint64_t seed, int64_t vocabulary = 11) {
+    torch::manual_seed(seed);
+    model = testing::TinyTransformer(true, vocabulary);
+    for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
+    FullyShardOptions tail;
+    tail.reshard_after_forward = false;
+    fully_shard({model->norm.ptr(), model->embed_tokens.ptr()}, context, tail);
+    fully_shard(model.ptr(), context);
+    optimizer = std::make_unique<torch::optim::AdamW>(unique_parameters(*model), adamw_options());
+  }
+  void train(const DistributedContext& context, int first_step, int steps) {
+    for (int step = first_step; step < first_step + steps; ++step) {
+      auto [inputs, targets] = token_batch(step);
+      next_token_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
+      optimizer->step();
+      optimizer->zero_grad();
+    }
+  }
+};
+
+/// Single-process training of the same model for `steps` steps.
+std::map<std::string, torch::Tensor> reference_after(uint64_t seed, int steps) {
+  torch::manual_seed(seed);
+  testing::TinyTransformer model;
+  torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
+  for (int step = 0; step < steps; ++step) {
+    auto [inputs, targets] = token_batch(step);
+    next_token_loss(model->forward(inputs), targets).backward();
+    optimizer.step();
+    optimizer.zero_grad();
+  }
+  return testing::named_copies(*model);
+}
+
+void expect_bitwise_equal(torch::nn::Module& actual, torch::nn::Module& expected, const std::string& what) {
+  auto left = testing::full_parameters(actual);
+  auto right = testing::full_parameters(expected);
+  ASSERT_EQ(left.size(), right.size());
+  for (const auto& [name, tensor] : right) EXPECT_TRUE(torch::equal(left.at(name), tensor)) << what << ": " << name;
+}
+
+struct RoundTripCase {
+  StateDictType type;
+  int world_size;
+};
+
+class CheckpointRoundTrip : public ::testing::TestWithParam<RoundTripCase> {};
+
+TEST_P(CheckpointRoundTrip, ResumedTrainingContinuesBitForBit) {
+  const auto type = GetParam().type;
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(GetParam().world_size, [type, directory](const DistributedContext& context) {
+    Trainer original(context, 11);
+    original.train(context, 0, 2);
+    TrainingProgress progress;
+    progress.step = 2;
+    progress.data_position = 24;
+    progress.scheduler = {{"last_epoch", 2}, {"base_lr", 0.01}};
+    CheckpointOptions options;
+    options.state_dict_type = type;
+    save_checkpoint(directory, *original.model, *original.optimizer, context, progress, options);
+    ASSERT_TRUE(is_complete_checkpoint(directory));
+
+    Trainer resumed(context, 99);  // other initial weights: everything must come from the files
+    resumed.train(context, 0, 1);  // and other optimizer state
+    const auto loaded = load_checkpoint(directory, *resumed.model, *resumed.optimizer, context);
+    EXPECT_EQ(loaded.step, 2);
+    EXPECT_EQ(loaded.data_position, 24);
+    EXPECT_EQ(loaded.scheduler, progress.scheduler);
+    expect_bitwise_equal(*resumed.model, *original.model, "after loading");
+    original.train(context, 2, 2);
+    resumed.train(context, 2, 2);
+    expect_bitwise_equal(*resumed.model, *original.model, "two steps after loading");
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Layouts, CheckpointRoundTrip,
+    ::testing::Values(RoundTripCase{StateDictType::kShardedStateDict, 1}, RoundTripCase{StateDictType::kShardedStateDict, 2},
+                      RoundTripCase{StateDictType::kShardedStateDict, 3}, RoundTripCase{StateDictType::kShardedStateDict, 4},
+                      RoundTripCase{StateDictType::kFullStateDict, 1}, RoundTripCase{StateDictType::kFullStateDict, 2},
+                      RoundTripCase{StateDictType::kFullStateDict, 3}, RoundTripCase{StateDictType::kFullStateDict, 4},
+                      RoundTripCase{StateDictType::kLocalStateDict, 2}, RoundTripCase{StateDictType::kLocalStateDict, 3}),
+    [](const ::testing::TestParamInfo<RoundTripCase>& info) {
+      std::string name = to_string(info.param.type);
+      name.erase(std::remove(name.begin(), name.end(), '_'), name.end());
+      return name + "_" + std::to_string(info.param.world_size) + "ranks";
+    });
+
+struct ReshardCase {
+  int saved_on;
+  int loaded_on;
+};
+
+class CheckpointReshard : public ::testing::TestWithParam<ReshardCase> {};
+
+TEST_P(CheckpointReshard, ShardedCheckpointContinuesOnAnotherNumberOfRanks) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(GetParam().saved_on, [directory](const DistributedContext& context) {
+    Trainer trainer(context, 12);
+    trainer.train(context, 0, 2);
+    save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, TrainingProgress{2, 24, {}});
+  });
+  testing::run_on_ranks(GetParam().loaded_on, [directory](const DistributedContext& context) {
+    Trainer trainer(context, 77);
+    const auto progress = load_checkpoint(directory, *trainer.model, *trainer.optimizer, context);
+    EXPECT_EQ(progress.step, 2);
+    trainer.train(context, 2, 2);
+    // Two steps on the saved ranks and two on these equal four single-process steps.
+    const auto expected = reference_after(12, 4);
+    const auto actual = testing::full_parameters(*trainer.model);
+    for (const auto& [name, tensor] : expected) {
+      EXPECT_TRUE(testing::tensors_close(actual.at(name), tensor)) << name;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldSizes, CheckpointReshard,
+                         ::testing::Values(ReshardCase{2, 3}, ReshardCase{3, 2}, ReshardCase{4, 1}, ReshardCase{1, 4}),
+                         [](const ::testing::TestParamInfo<ReshardCase>& info) {
+                           return "From" + std::to_string(info.param.saved_on) + "To" + std::to_string(info.param.loaded_on);
+                         });
+
+TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [directory](const DistributedContext& context) {
+    Trainer trainer(context, 13);
+    trainer.train(context, 0, 1);
+    save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {});
+    auto expect_load_error = [&](const std::string& expected) {
+      const auto message =
+          testing::error_message_of([&] { load_checkpoint(directory, *trainer.model, *trainer.optimizer, context); });
+      EXPECT_NE(message.find(expected), std::string::npos) << "expected '" << expected << "' in: " << message;
+    };
+    const auto marker = (fs::path(directory) / "checkpoint_complete.json").string();
+    const auto rank_file = (fs::path(directory) / "pytorch_model_fsdp_0" / "rank_00001.safetensors").string();
+    barrier(context.world());
+    if (context.rank() == 0) fs::rename(marker, marker + ".away");
+    barrier(context.world());
+    expect_load_error("is incomplete: checkpoint_complete.json is missing");
+    barrier(context.world());
+    if (context.rank() == 0) {
+      fs::rename(marker + ".away", marker);
+      fs::rename(rank_file, rank_file + ".away");
+    }
+    barrier(context.world());
+    expect_load_error("lacks 'rank_00001.safetensors' (it was written by 2 ranks)");
+    barrier(context.world());
+    if (context.rank() == 0) fs::rename(rank_file + ".away", rank_file);
+    barrier(context.world());
+
+    Trainer bigger_vocabulary(context, 13, 13);
+    const auto message = testing::error_message_of(
+        [&] { load_checkpoint(directory, *bigger_vocabulary.model, *bigger_vocabulary.optimizer, context); });
+    EXPECT_NE(message.find("has shape [11, 6] but the model's 'embed_tokens.weight' has shape [13, 6]"),
+              std::string::npos)
+        << message;
+  });
+}
+
+TEST(Checkpoint, ARankThatDoesNotSaveIsReportedNotAHang) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(5);
+  testing::run_on_ranks(
+      2,
+      [directory](const DistributedContext& context) {
+        Trainer trainer(context, 14);
+        if (context.rank() == 1) return;  // "if (is_main_process) save" — the classic mistake
+        const auto message = testing::error_message_of(
+            [&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
+        EXPECT_NE(message.find("not every rank joined"), std::string::npos) << message;
+        EXPECT_FALSE(is_complete_checkpoint(directory));
+      },
+      options);
+}
+
+TEST(Checkpoint, FullStateDictLoadsIntoAModelWithoutParameterMemory) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    torch::manual_seed(15);
+    testing::TinyTransformer source_model;
+    const auto expected = testing::named_copies(*source_model);
+    TensorList full_state;
+    if (context.rank() == 0) {
+      for (const auto& item : source_model->named_parameters()) full_state.emplace_back(item.key(), item.value().detach());
+    }
+    torch::manual_seed(16);
+    testing::TinyTransformer model;
+    release_parameter_storage(*model);
+    for (const auto& parameter : model->parameters()) ASSERT_EQ(parameter.storage().nbytes(), 0u);
+    for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
+    fully_shard(model.ptr(), context);
+    int64_t largest = 0;
+    for (const auto& [name, tensor] : expected) largest = std::max<int64_t>(largest, tensor.numel() * 4);
+    std::unique_ptr<TensorListSource> source;
+    if (context.rank() == 0) source = std::make_unique<TensorListSource>(full_state);
+    const int64_t peak = load_model_state_dict_from_rank0(*model, context, source.get());
+    // Beyond its shards a rank held one full tensor at a time, never more.
+    EXPECT_EQ(peak, largest);
+    for (const auto& unit : fsdp_modules(*model)) {
+      for (const auto& info : unit.sharded_parameters()) {
+        EXPECT_EQ(static_cast<int64_t>(info.parameter.storage().nbytes()), info.layout.numel_padded_shard * 4);
+      }
+    }
+    const auto actual = testing::full_parameters(*model);
+    for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+
+    // The seed's entry point, and its error for a key the full state dict lacks.
+    AcceleratorOptions accelerator_options;
+    accelerator_options.fsdp_plugin = FullyShardedDataParallelPlugin();
+    Accelerator accelerator(context, accelerator_options, EnvironmentMap{});
+    TensorList partial(full_state.begin(), full_state.end());
+    if (!partial.empty()) partial.pop_back();
+    const auto message = testing::error_message_of([&] { fsdp2_load_full_state_dict(accelerator, model.ptr(), partial); });
+    EXPECT_NE(message.find("missing from full state dict"), std::string::npos) << message;
+    EXPECT_NE(message.find("Full state dict has " + std::to_string(expected.size() - 1) + " keys"),
+              std::string::npos)
+        << message;
+  });
+}
+
+TEST(Checkpoint, FullModelFileIsReadableByPythonTorch) {
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") != 0) {
+    GTEST_SKIP() << "Debian's python3-torch is not installed: cross-check skipped";
+  }
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [directory](const DistributedContext& context) {
+    Trainer trainer(context, 17);
+    save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {},
+                    CheckpointOptions{StateDictType::kFullStateDict, false});
+  });
+  const auto path = (fs::path(directory) / "pytorch_model_fsdp.bin").string();
+  const auto command = "/usr/bin/python3 -c 'import torch; d = torch.load(\"" + path +
+                       "\"); print(len(d), tuple(d[\"embed_tokens.weight\"].shape))' 2>&1";
+  FILE* pipe = ::popen(command.c_str(), "r");
+  ASSERT_TRUE(pipe);
+  char buffer[256] = {0};
+  std::string output;
+  while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
+  ::pclose(pipe);
+  torch::manual_seed(17);
+  testing::TinyTransformer model;
+  // Tied weights are saved once: every distinct tensor, under its first name.
+  EXPECT_NE(output.find(std::to_string(unique_parameters(*model).size() + model->buffers().size()) + " (11, 6)"),
+            std::string::npos)
+      << output;
+}
+
+}  // namespace
+}  // namespace fsdp
