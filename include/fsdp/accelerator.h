@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/checkpoint.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
 
@@ -48,10 +49,19 @@ class Accelerator {
     return model;
   }
 
+  /// Saves the prepared model and optimizer with the plugin's state_dict_type, plus `progress`
+  /// (Accelerate's save_state; layout in checkpoint.h). The optimizer passed to prepare must still
+  /// exist. Collective.
+  void save_state(const std::string& directory, const TrainingProgress& progress = {});
+  /// Restores what save_state wrote and returns the progress. Collective.
+  TrainingProgress load_state(const std::string& directory);
+
  private:
   DistributedContext context_;
   FullyShardedDataParallelPlugin plugin_;
   std::string mixed_precision_;
+  std::shared_ptr<torch::nn::Module> model_;
+  torch::optim::Optimizer* optimizer_ = nullptr;
 };
 
 }  // namespace fsdp

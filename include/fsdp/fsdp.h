@@ -11,6 +11,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/plugin.h>
 #include <fsdp/pretrained_model.h>
+#include <fsdp/pretrained_weights.h>
 #include <fsdp/process_group.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/shard_layout.h>

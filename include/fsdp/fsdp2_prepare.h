@@ -24,7 +24,8 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
 /// then the root. Trainable parameters are upcast to fp32 first when the accelerator uses mixed
 /// precision, so the sharded master weights are fp32. Tied weights stay tied. The model is sharded in
 /// place and returned. Embeddings and the final norm are found through fsdp::PretrainedModel when the
-/// model implements it.
+/// model implements it. With cpu_ram_efficient_loading, rank 0's weights are kept aside and every
+/// other rank drops its own before sharding and receives its rows from rank 0, one tensor at a time.
 std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
                                                        const std::shared_ptr<torch::nn::Module>& model);
 

@@ -72,7 +72,21 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
     TORCH_CHECK(false, "Parameters missing after FSDP2 wrapping: [", names, "]");
   }
   fsdp2_switch_optimizer_parameters(optimizer, mapping);
+  model_ = model;
+  optimizer_ = &optimizer;
   return model;
+}
+
+void Accelerator::save_state(const std::string& directory, const TrainingProgress& progress) {
+  TORCH_CHECK(model_ && optimizer_, "Accelerator::save_state: prepare(model, optimizer) first");
+  CheckpointOptions options;
+  options.state_dict_type = plugin_.state_dict_type;
+  save_checkpoint(directory, *model_, *optimizer_, context_, progress, options);
+}
+
+TrainingProgress Accelerator::load_state(const std::string& directory) {
+  TORCH_CHECK(model_ && optimizer_, "Accelerator::load_state: prepare(model, optimizer) first");
+  return load_checkpoint(directory, *model_, *optimizer_, context_);
 }
 
 }  // namespace fsdp

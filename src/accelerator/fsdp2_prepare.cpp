@@ -9,6 +9,7 @@
 #include <fsdp/accelerator.h>
 #include <fsdp/auto_wrap.h>
 #include <fsdp/pretrained_model.h>
+#include <fsdp/state_dict.h>
 
 namespace fsdp {
 namespace {
@@ -83,9 +84,6 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
   TORCH_CHECK(!plugin.activation_checkpointing,
               "fsdp2_prepare_model: activation_checkpointing is not implemented by this engine yet; set it to false "
               "(FSDP_ACTIVATION_CHECKPOINTING=false, fsdp_activation_checkpointing: false)");
-  TORCH_CHECK(!plugin.cpu_ram_efficient_loading,
-              "fsdp2_prepare_model: cpu_ram_efficient_loading needs loading a full state dict into a meta-device "
-              "model, which this engine does not implement yet; set it to false (FSDP_CPU_RAM_EFFICIENT_LOADING=false)");
   for (const auto& item : model->named_parameters()) {
     TORCH_CHECK(!item.value().is_meta(), "fsdp2_prepare_model: parameter '", item.key(),
                 "' is on the meta device; this engine shards materialized parameters only. Create the model on CPU");
@@ -100,6 +98,23 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     at::NoGradGuard no_grad;
     for (auto& parameter : model->parameters()) {
       if (parameter.requires_grad() && parameter.scalar_type() != at::kFloat) parameter.set_data(parameter.to(at::kFloat));
+    }
+  }
+
+  // cpu_ram_efficient_loading (spec §3.5 steps 7-8 and 12): rank 0's weights are the truth. It keeps
+  // them aside (the parameters become shards); the other ranks drop theirs before sharding and get
+  // their rows from rank 0 one tensor at a time.
+  const bool efficient_loading = plugin.cpu_ram_efficient_loading && context.world_size() > 1;
+  TensorList original_state;
+  if (efficient_loading) {
+    if (context.rank() == 0) {
+      std::unordered_set<const c10::TensorImpl*> seen;
+      for (const auto& item : model->named_parameters()) {
+        if (seen.insert(item.value().unsafeGetTensorImpl()).second) original_state.emplace_back(item.key(), item.value().detach());
+      }
+      for (const auto& item : model->named_buffers()) original_state.emplace_back(item.key(), item.value().detach());
+    } else {
+      release_parameter_storage(*model);
     }
   }
 
@@ -130,6 +145,11 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     auto root_options = options;
     root_options.reshard_after_forward.reset();
     fully_shard(model, context, root_options);
+  }
+  if (efficient_loading) {
+    std::unique_ptr<TensorListSource> source;
+    if (context.rank() == 0) source = std::make_unique<TensorListSource>(std::move(original_state), "rank 0's weights");
+    load_model_state_dict_from_rank0(*model, context, source.get());
   }
   return model;
 }

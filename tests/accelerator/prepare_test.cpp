@@ -115,6 +115,28 @@ TEST(Fsdp2PrepareModel, MixedPrecisionUpcastsTrainableParametersToFp32) {
   }
 }
 
+TEST(Fsdp2PrepareModel, CpuRamEfficientLoadingTakesRankZerosWeights) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    torch::manual_seed(41);
+    testing::TinyTransformer rank_zero_model;
+    const auto expected = testing::named_copies(*rank_zero_model);
+    // Every other rank starts from different weights: only rank 0's may survive.
+    torch::manual_seed(context.rank() == 0 ? 41 : 100 + context.rank());
+    testing::TinyTransformer model;
+    FullyShardedDataParallelPluginArgs args;
+    args.fsdp_version = int64_t{2};
+    args.auto_wrap_policy = std::string("transformer_based_wrap");
+    args.cpu_ram_efficient_loading = std::string("true");
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+    Accelerator accelerator(context, options, EnvironmentMap{});
+    torch::optim::AdamW optimizer(unique_parameters(*model));
+    accelerator.prepare(model, optimizer);
+    const auto actual = testing::full_parameters(*model);
+    for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+  });
+}
+
 TEST(AcceleratorPrepare, RejectsAnOptimizerThatSteppedOrHoldsForeignParameters) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});
   {

@@ -1,0 +1,103 @@
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/fsdp.h>
+
+#include "engine/parity.h"
+#include "engine/test_models.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// The model's distinct tensors in two safetensors files with a transformers-style index.
+void write_hugging_face_checkpoint(const std::string& directory, const torch::nn::Module& model) {
+  TensorList first, second;
+  std::string weight_map;
+  std::unordered_set<const c10::TensorImpl*> seen;
+  size_t index = 0;
+  for (const auto& item : model.named_parameters()) {
+    if (!seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
+    auto& target = index++ % 2 == 0 ? first : second;
+    target.emplace_back(item.key(), item.value().detach().clone());
+    weight_map += std::string(weight_map.empty() ? "" : ",") + "\"" + item.key() + "\":\"model-0000" +
+                  (&target == &first ? "1" : "2") + "-of-00002.safetensors\"";
+  }
+  write_safetensors((fs::path(directory) / "model-00001-of-00002.safetensors").string(), first);
+  write_safetensors((fs::path(directory) / "model-00002-of-00002.safetensors").string(), second);
+  std::ofstream((fs::path(directory) / "model.safetensors.index.json").string())
+      << "{\"metadata\":{\"total_size\":0},\"weight_map\":{" << weight_map << "}}";
+}
+
+TEST(PretrainedWeights, OnlyRankZeroReadsTheFilesAndEveryRankGetsItsRows) {
+  const auto directory = testing::shared_temporary_directory();
+  torch::manual_seed(31);
+  testing::TinyTransformer source;
+  write_hugging_face_checkpoint(directory, *source);
+  const auto expected = testing::named_copies(*source);
+  testing::run_on_ranks(3, [directory, expected](const DistributedContext& context) {
+    torch::manual_seed(32);
+    testing::TinyTransformer model;
+    for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
+    fully_shard(model.ptr(), context);
+    // Other ranks are given a path that does not exist: they never look at it.
+    load_pretrained_weights(*model, context, context.rank() == 0 ? directory : "/nonexistent/checkpoint");
+    const auto actual = testing::full_parameters(*model);
+    for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+  });
+}
+
+TEST(PretrainedWeights, BrokenIndexesAreNamedErrors) {
+  const auto directory = testing::shared_temporary_directory();
+  std::ofstream((fs::path(directory) / "model.safetensors.index.json").string())
+      << R"({"weight_map":{"w":"model-00001-of-00001.safetensors"}})";
+  auto message = testing::error_message_of([&] { SafetensorsCheckpointSource source(directory); });
+  EXPECT_NE(message.find("names 'model-00001-of-00001.safetensors', which does not exist"), std::string::npos)
+      << message;
+  write_safetensors((fs::path(directory) / "model-00001-of-00001.safetensors").string(), {{"v", torch::ones(2)}});
+  message = testing::error_message_of([&] { SafetensorsCheckpointSource source(directory); });
+  EXPECT_NE(message.find("says 'w' is in 'model-00001-of-00001.safetensors' but that file has no such tensor"),
+            std::string::npos)
+      << message;
+  message = testing::error_message_of([&] { SafetensorsCheckpointSource source(directory + "/empty_dir_that_is_missing"); });
+  EXPECT_NE(message.find("does not exist"), std::string::npos) << message;
+}
+
+TEST(AcceleratorState, SaveStateAndLoadStateUseThePluginsLayout) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [directory](const DistributedContext& context) {
+    FullyShardedDataParallelPluginArgs args;
+    args.fsdp_version = int64_t{2};
+    args.auto_wrap_policy = std::string("transformer_based_wrap");
+    args.state_dict_type = std::string("FULL_STATE_DICT");
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+    Accelerator accelerator(context, options, EnvironmentMap{});
+    torch::manual_seed(33);
+    testing::TinyTransformer model;
+    torch::optim::AdamW optimizer(testing::unique_parameters(*model));
+    accelerator.prepare(model, optimizer);
+    const auto before = testing::full_parameters(*model);
+    accelerator.save_state(directory, TrainingProgress{5, 60, {{"last_epoch", 5}}});
+    EXPECT_TRUE(fs::exists(fs::path(directory) / "pytorch_model_fsdp.bin"));
+    EXPECT_TRUE(fs::exists(fs::path(directory) / "optimizer.bin"));
+    {
+      torch::NoGradGuard no_grad;
+      for (auto& parameter : model->parameters()) parameter.zero_();
+    }
+    const auto progress = accelerator.load_state(directory);
+    EXPECT_EQ(progress.step, 5);
+    EXPECT_EQ(progress.data_position, 60);
+    const auto after = testing::full_parameters(*model);
+    for (const auto& [name, tensor] : before) EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
+  });
+}
+
+}  // namespace
+}  // namespace fsdp
