@@ -9,6 +9,7 @@
 #include <fsdp/distributed_environment.h>
 #include <fsdp/fsdp2_prepare.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/merge.h>
 #include <fsdp/plugin.h>
 #include <fsdp/pretrained_model.h>
 #include <fsdp/pretrained_weights.h>

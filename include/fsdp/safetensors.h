@@ -13,6 +13,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -44,6 +45,8 @@ struct SafetensorsHeader {
   std::vector<SafetensorsTensorInfo> tensors;
   /// File offset of the data section (8 + header length).
   int64_t data_offset = 0;
+  /// Name -> position in `tensors` (filled by the parser).
+  std::map<std::string, size_t> index;
   /// The tensor named `name`, or nullptr.
   const SafetensorsTensorInfo* find(const std::string& name) const;
 };
@@ -77,6 +80,27 @@ class SafetensorsReader {
   size_t size_ = 0;
   SafetensorsHeader header_;
 };
+
+/// One tensor of a file written piece by piece.
+struct SafetensorsEntry {
+  std::string name;
+  /// A safetensors dtype name ("F32", ...).
+  std::string dtype;
+  std::vector<int64_t> shape;
+};
+
+/// Appends bytes to the file being written.
+using ByteWriter = std::function<void(const void* data, size_t size)>;
+
+/// Writes a safetensors file atomically without holding its tensors: `write_data(entry, writer)` is
+/// called once per tensor, in file order, and must write exactly that tensor's bytes (row-major,
+/// little-endian). "format": "pt" is added to `metadata`.
+void write_safetensors_streaming(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                                 std::map<std::string, std::string> metadata,
+                                 const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer)>& write_data);
+
+/// Bytes of a tensor of `dtype` and `shape` (an error for dtypes that do not fill whole bytes).
+int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_t>& shape);
 
 /// The file's bytes for `tensors` with `metadata` as "__metadata__" (omitted when empty). Tensors must
 /// be distinct, contiguous CPU tensors.

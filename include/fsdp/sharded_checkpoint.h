@@ -55,6 +55,7 @@ class ShardedDirectoryReader : public TensorSource {
     std::vector<Chunk> chunks;
   };
   const Entry& entry(const std::string& name) const;
+  void open();
   std::string directory_;
   int64_t world_size_ = 0;
   std::vector<std::string> names_;

@@ -32,6 +32,8 @@ struct ShardedTensor {
   int64_t row_offset = 0;
   /// Every rank holds the whole tensor (buffers, unmanaged and NO_SHARD parameters, optimizer steps).
   bool replicated = false;
+  /// Another rank holds the same rows (a replica under HYBRID_SHARD); writers skip this copy.
+  bool duplicate = false;
 };
 using ShardedTensorList = std::vector<std::pair<std::string, ShardedTensor>>;
 

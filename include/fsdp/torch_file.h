@@ -8,6 +8,7 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
 
+#include <functional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -18,6 +19,15 @@ namespace fsdp {
 void save_torch_file(const std::string& path, const c10::IValue& value);
 /// Reads a torch.save file. Errors name the file.
 c10::IValue load_torch_file(const std::string& path);
+
+/// A tensor with a shape and dtype but no data: describes a file's structure for save_torch_file_streaming.
+at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType dtype);
+
+/// Writes `value` like save_torch_file, except that every tensor in it is a placeholder whose data
+/// `materialize(placeholder)` returns when that tensor is written, one at a time: only one tensor's
+/// data is ever in memory.
+void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
+                               const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize);
 
 /// A dict {name: tensor} in the given order.
 c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors);

@@ -5,6 +5,7 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <sstream>
 
@@ -36,6 +37,23 @@ std::string local_model_file(int64_t rank) { return "pytorch_model_fsdp_rank" + 
 std::string random_states_file(int64_t rank) { return "random_states_" + std::to_string(rank) + ".pkl"; }
 
 std::string path_in(const std::string& directory, const std::string& name) { return (fs::path(directory) / name).string(); }
+
+std::string message_of(const std::exception& error) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  return c10_error ? c10_error->what_without_backtrace() : error.what();
+}
+
+/// Runs `step` on this rank and raises on every rank if it failed on any: local file work between
+/// collectives must never leave the other ranks waiting.
+void on_every_rank(const DistributedContext& context, const std::function<void()>& step) {
+  std::string error;
+  try {
+    step();
+  } catch (const std::exception& failure) {
+    error = message_of(failure);
+  }
+  detail::raise_if_any_rank_failed(context, error);
+}
 
 std::string canonical(const std::string& directory) { return fs::absolute(directory).lexically_normal().string(); }
 
@@ -119,13 +137,8 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   // An overwritten directory counts as incomplete until this save has finished everywhere.
   if (main && fs::exists(path_in(directory, kMarker))) fs::remove(path_in(directory, kMarker));
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
-  std::string error;
-  try {
-    fs::create_directories(directory);
-  } catch (const std::exception& failure) {
-    error = "cannot create checkpoint directory '" + directory + "': " + failure.what();
-  }
-  detail::raise_if_any_rank_failed(context, error);
+  on_every_rank(context, [&] { fs::create_directories(directory); });
+  std::string model_file;
 
   switch (options.state_dict_type) {
     case StateDictType::kFullStateDict: {
@@ -133,14 +146,18 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
       StateDictConfig config{true, context.world_size() > 1};
       auto model_state = full_model_state_dict(model, config);
       auto optimizer_state = full_optimizer_state_dict(model, optimizer, config);
-      if (main) {
+      model_file = options.full_model_safetensors ? kFullModelSafetensors : kFullModelBin;
+      on_every_rank(context, [&] {
+        if (!main) return;
+        // The other variant of an earlier save in this directory must not be mistaken for this one.
+        fs::remove(path_in(directory, options.full_model_safetensors ? kFullModelBin : kFullModelSafetensors));
         if (options.full_model_safetensors) {
           write_safetensors(path_in(directory, kFullModelSafetensors), model_state);
         } else {
           save_torch_file(path_in(directory, kFullModelBin), tensor_dict(model_state));
         }
         save_torch_file(path_in(directory, kFullOptimizer), optimizer_state_dict_to_ivalue(optimizer_state));
-      }
+      });
       break;
     }
     case StateDictType::kShardedStateDict:
@@ -148,7 +165,8 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
       if (options.state_dict_type == StateDictType::kShardedStateDict) {
         write_sharded_directory(path_in(directory, kShardedModel), sharded_model_state_dict(model), context);
       } else {
-        save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(local_model_state_dict(model)));
+        const auto state = local_model_state_dict(model);
+        on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
       }
       const auto optimizer_state = sharded_optimizer_state_dict(model, optimizer);
       write_sharded_directory(path_in(directory, kShardedOptimizer), optimizer_state.tensors, context,
@@ -156,18 +174,20 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
       break;
     }
   }
-  save_progress(directory, context, progress);
+  on_every_rank(context, [&] { save_progress(directory, context, progress); });
   // The marker is written only once every rank has written everything.
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "') finished");
+  nlohmann::json marker;
   if (main) {
-    nlohmann::json marker;
     marker["state_dict_type"] = to_string(options.state_dict_type);
     marker["world_size"] = context.world_size();
     marker["step"] = progress.step;
     marker["fsdp_cpp_version"] = version();
-    detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
+    if (!model_file.empty()) marker["model_file"] = model_file;
   }
-  barrier(context.world());
+  on_every_rank(context, [&] {
+    if (main) detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
+  });
 }
 
 TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,
@@ -179,6 +199,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   std::unique_ptr<ShardedDirectoryReader> model_reader;
   std::unique_ptr<ShardedDirectoryReader> optimizer_reader;
   std::string model_file;
+  std::unique_ptr<TensorListSource> full_source;
   std::string error;
   try {
     const auto marker_path = path_in(directory, kMarker);
@@ -195,17 +216,33 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
     } catch (const nlohmann::json::exception& failure) {
       TORCH_CHECK(false, "'", marker_path, "' is not valid JSON (", failure.what(), ")");
     }
-    TORCH_CHECK(marker.is_object() && marker.contains("state_dict_type") && marker.contains("world_size"), "'",
-                marker_path, "' lacks state_dict_type or world_size");
+    TORCH_CHECK(marker.is_object() && marker.contains("state_dict_type") && marker["state_dict_type"].is_string() &&
+                    marker.contains("world_size") && marker["world_size"].is_number_integer() &&
+                    (!marker.contains("step") || marker["step"].is_number_integer()),
+                "'", marker_path, "' lacks state_dict_type (a string), world_size or step (integers)");
     type = type_from_name(marker["state_dict_type"].get<std::string>(), marker_path);
     saved_world_size = marker["world_size"].get<int64_t>();
     step = marker.value("step", int64_t{0});
     if (type == StateDictType::kFullStateDict) {
-      model_file = fs::exists(path_in(directory, kFullModelSafetensors)) ? path_in(directory, kFullModelSafetensors)
-                                                                          : path_in(directory, kFullModelBin);
-      TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", kFullModelBin);
+      const std::string recorded = marker.contains("model_file") && marker["model_file"].is_string()
+                                       ? marker["model_file"].get<std::string>()
+                                       : std::string(kFullModelBin);
+      TORCH_CHECK(recorded == kFullModelBin || recorded == kFullModelSafetensors, "'", marker_path,
+                  "' names model file '", recorded, "'");
+      model_file = path_in(directory, recorded);
+      TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", recorded);
       TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
                   kFullOptimizer);
+      if (context.rank() == 0) {
+        TensorList tensors;
+        if (recorded == kFullModelSafetensors) {
+          SafetensorsReader reader(model_file);
+          for (const auto& info : reader.header().tensors) tensors.emplace_back(info.name, reader.tensor(info.name));
+        } else {
+          tensors = tensor_dict_items(load_torch_file(model_file), model_file);
+        }
+        full_source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
+      }
     } else {
       if (type == StateDictType::kShardedStateDict) {
         model_reader = std::make_unique<ShardedDirectoryReader>(path_in(directory, kShardedModel));
@@ -220,44 +257,37 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       }
       optimizer_reader = std::make_unique<ShardedDirectoryReader>(path_in(directory, kShardedOptimizer));
     }
-  } catch (const c10::Error& failure) {
-    error = failure.what_without_backtrace();
+  } catch (const std::exception& failure) {
+    error = message_of(failure);
   }
   detail::raise_if_any_rank_failed(context, error);
 
-  switch (type) {
-    case StateDictType::kFullStateDict: {
-      std::unique_ptr<TensorListSource> source;
-      if (context.rank() == 0) {
+  // The model's collectives (FULL) come first; everything after is local and checked on every rank.
+  if (type == StateDictType::kFullStateDict) load_model_state_dict_from_rank0(model, context, full_source.get());
+  full_source.reset();
+  TrainingProgress progress;
+  on_every_rank(context, [&] {
+    switch (type) {
+      case StateDictType::kFullStateDict: {
+        const auto optimizer_path = path_in(directory, kFullOptimizer);
+        const auto state = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
         TensorList tensors;
-        if (model_file.size() >= 12 && model_file.substr(model_file.size() - 12) == ".safetensors") {
-          SafetensorsReader reader(model_file);
-          for (const auto& info : reader.header().tensors) tensors.emplace_back(info.name, reader.tensor(info.name));
-        } else {
-          tensors = tensor_dict_items(load_torch_file(model_file), model_file);
-        }
-        source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
+        for (const auto& [name, tensor] : state.tensors) tensors.emplace_back(name, tensor.local);
+        load_optimizer_state_dict(model, optimizer, state.optimizer, state.param_groups_json,
+                                  TensorListSource(std::move(tensors), "'" + optimizer_path + "'"));
+        break;
       }
-      load_model_state_dict_from_rank0(model, context, source.get());
-      const auto optimizer_path = path_in(directory, kFullOptimizer);
-      const auto state = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
-      TensorList tensors;
-      for (const auto& [name, tensor] : state.tensors) tensors.emplace_back(name, tensor.local);
-      load_optimizer_state_dict(model, optimizer, state.optimizer, state.param_groups_json,
-                                TensorListSource(std::move(tensors), "'" + optimizer_path + "'"));
-      break;
+      case StateDictType::kShardedStateDict:
+        load_model_state_dict(model, *model_reader);
+        load_optimizer_from_directory(model, optimizer, *optimizer_reader);
+        break;
+      case StateDictType::kLocalStateDict:
+        load_local_model_state_dict(model, tensor_dict_items(load_torch_file(model_file), model_file));
+        load_optimizer_from_directory(model, optimizer, *optimizer_reader);
+        break;
     }
-    case StateDictType::kShardedStateDict:
-      load_model_state_dict(model, *model_reader);
-      load_optimizer_from_directory(model, optimizer, *optimizer_reader);
-      break;
-    case StateDictType::kLocalStateDict:
-      load_local_model_state_dict(model, tensor_dict_items(load_torch_file(model_file), model_file));
-      load_optimizer_from_directory(model, optimizer, *optimizer_reader);
-      break;
-  }
-  auto progress = load_progress(directory, context, saved_world_size, step);
-  barrier(context.world());
+    progress = load_progress(directory, context, saved_world_size, step);
+  });
   return progress;
 }
 

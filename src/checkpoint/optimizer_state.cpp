@@ -3,6 +3,8 @@
 #include <ATen/ATen.h>
 #include <torch/optim.h>
 
+#include <cmath>
+
 namespace fsdp::detail {
 namespace {
 
@@ -25,7 +27,10 @@ at::Tensor required(const std::vector<std::pair<std::string, at::Tensor>>& field
 
 int64_t step_of(const std::vector<std::pair<std::string, at::Tensor>>& fields, const std::string& type,
                 const std::string& parameter_name) {
-  return static_cast<int64_t>(required(fields, "step", type, parameter_name).item<double>());
+  const double step = required(fields, "step", type, parameter_name).item<double>();
+  TORCH_CHECK(std::isfinite(step) && step >= 0 && step < 9.0e15, type, " state of parameter '", parameter_name,
+              "' has step ", step, "; expected a non-negative whole number");
+  return static_cast<int64_t>(step);
 }
 
 void push_if_defined(std::vector<std::pair<std::string, at::Tensor>>& fields, const char* name, const at::Tensor& tensor) {
@@ -47,6 +52,8 @@ bool flag(const nlohmann::json& values, const char* key, const std::string& type
 std::tuple<double, double> betas(const nlohmann::json& values, const std::string& type) {
   TORCH_CHECK(values.contains("betas") && values["betas"].is_array() && values["betas"].size() == 2, type,
               " parameter group lacks 'betas' as two numbers (found ", values.dump(), ")");
+  TORCH_CHECK(values["betas"][0].is_number() && values["betas"][1].is_number(), type,
+              " parameter group has non-numeric 'betas' (found ", values["betas"].dump(), ")");
   return {values["betas"][0].get<double>(), values["betas"][1].get<double>()};
 }
 

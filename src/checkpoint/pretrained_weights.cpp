@@ -93,8 +93,9 @@ void load_pretrained_weights(torch::nn::Module& model, const DistributedContext&
   if (context.rank() == 0) {
     try {
       source = std::make_unique<SafetensorsCheckpointSource>(path);
-    } catch (const c10::Error& failure) {
-      error = failure.what_without_backtrace();
+    } catch (const std::exception& failure) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
+      error = c10_error ? c10_error->what_without_backtrace() : failure.what();
     }
   }
   detail::raise_if_any_rank_failed(context, error);

@@ -31,6 +31,18 @@ std::string rank_file_name(int64_t rank) {
 
 int64_t rows_of(const std::vector<int64_t>& shape) { return shape.empty() ? 1 : shape[0]; }
 
+void write_metadata(const std::string& directory, const ShardedTensorList& tensors,
+                    const std::vector<std::string>& all_chunks, int64_t world_size, const std::string& extra_json);
+
+/// Chunk files are named by the writer's pattern; anything else (a path, "..") is refused.
+bool is_rank_file_name(const std::string& name) {
+  if (name.size() != std::string("rank_00000.safetensors").size() || name.rfind("rank_", 0) != 0) return false;
+  for (size_t index = 5; index < 10; ++index) {
+    if (!std::isdigit(static_cast<unsigned char>(name[index]))) return false;
+  }
+  return name.compare(10, std::string::npos, ".safetensors") == 0;
+}
+
 }  // namespace
 
 void write_sharded_directory(const std::string& directory, const ShardedTensorList& tensors,
@@ -41,7 +53,7 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
   std::vector<std::pair<std::string, at::Tensor>> local;
   nlohmann::json chunks = nlohmann::json::object();
   for (const auto& [name, tensor] : tensors) {
-    if (tensor.replicated && rank != 0) continue;
+    if ((tensor.replicated && rank != 0) || tensor.duplicate) continue;
     if (tensor.global_shape.empty()) {
       // A 0-dim tensor is one row, held whole by one rank; the others hold an empty shard.
       if (tensor.local.numel() == 0) continue;
@@ -53,15 +65,43 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
     const int64_t rows = tensor.replicated ? rows_of(tensor.global_shape) : tensor.local.size(0);
     chunks[name] = {{"file", file}, {"row_offset", tensor.replicated ? 0 : tensor.row_offset}, {"rows", rows}};
   }
-  write_safetensors((std::filesystem::path(directory) / file).string(), local);
+  // A rank whose write fails says so in place of its chunks, so no rank waits for it.
+  std::string report;
+  try {
+    write_safetensors((std::filesystem::path(directory) / file).string(), local);
+    report = chunks.dump();
+  } catch (const std::exception& error) {
+    const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+    report = "ERROR:" + std::string(c10_error ? c10_error->what_without_backtrace() : error.what());
+  }
   // Rank 0 learns every rank's chunks only after each has written its file, so the metadata never
   // describes a file that does not exist yet.
-  const auto all_chunks = detail::all_gather_strings(context.world(), chunks.dump());
-  if (rank != 0) return;
+  const auto all_chunks = detail::all_gather_strings(context.world(), report);
+  for (size_t other = 0; other < all_chunks.size(); ++other) {
+    if (all_chunks[other].rfind("ERROR:", 0) == 0) {
+      TORCH_CHECK(false, "writing sharded directory '", directory, "': rank ", other, " failed: ", all_chunks[other].substr(6));
+    }
+  }
+  std::string metadata_error;
+  if (rank == 0) {
+    try {
+      write_metadata(directory, tensors, all_chunks, context.world_size(), extra_json);
+    } catch (const std::exception& error) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+      metadata_error = c10_error ? c10_error->what_without_backtrace() : error.what();
+    }
+  }
+  detail::raise_if_any_rank_failed(context, metadata_error);
+}
+
+namespace {
+
+void write_metadata(const std::string& directory, const ShardedTensorList& tensors,
+                    const std::vector<std::string>& all_chunks, int64_t world_size, const std::string& extra_json) {
   nlohmann::json metadata;
   metadata["format"] = kFormatName;
   metadata["version"] = kFormatVersion;
-  metadata["world_size"] = context.world_size();
+  metadata["world_size"] = world_size;
   metadata["extra"] = extra_json.empty() ? nlohmann::json::object() : nlohmann::json::parse(extra_json);
   auto entries = nlohmann::json::array();
   std::vector<nlohmann::json> parsed;
@@ -83,7 +123,19 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
   detail::write_file_atomically((std::filesystem::path(directory) / kShardedMetadataFile).string(), metadata.dump(1));
 }
 
+}  // namespace
+
 ShardedDirectoryReader::ShardedDirectoryReader(const std::string& directory) : directory_(directory) {
+  try {
+    open();
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK(false, "'", (std::filesystem::path(directory) / kShardedMetadataFile).string(),
+                "' does not describe a sharded checkpoint (", error.what(), ")");
+  }
+}
+
+void ShardedDirectoryReader::open() {
+  const std::string& directory = directory_;
   const auto metadata_path = std::filesystem::path(directory) / kShardedMetadataFile;
   std::ifstream file(metadata_path);
   TORCH_CHECK(file, "sharded checkpoint directory '", directory, "' has no ", kShardedMetadataFile,
@@ -99,9 +151,12 @@ ShardedDirectoryReader::ShardedDirectoryReader(const std::string& directory) : d
   auto fail = [&](const std::string& what) {
     TORCH_CHECK(false, "'", metadata_path.string(), "': ", what);
   };
-  if (!metadata.is_object() || metadata.value("format", "") != kFormatName) fail("not an fsdp.cpp sharded checkpoint");
-  if (metadata.value("version", 0) != kFormatVersion) {
-    fail("format version " + metadata.value("version", nlohmann::json(nullptr)).dump() + ", this build reads version 1");
+  if (!metadata.is_object() || !metadata.contains("format") || metadata["format"] != kFormatName) {
+    fail("not an fsdp.cpp sharded checkpoint");
+  }
+  if (!metadata.contains("version") || metadata["version"] != kFormatVersion) {
+    fail("format version " + (metadata.contains("version") ? metadata["version"].dump() : std::string("(none)")) +
+         ", this build reads version 1");
   }
   if (!metadata.contains("world_size") || !metadata["world_size"].is_number_integer()) fail("no world_size");
   world_size_ = metadata["world_size"].get<int64_t>();
@@ -116,9 +171,20 @@ ShardedDirectoryReader::ShardedDirectoryReader(const std::string& directory) : d
     Entry entry;
     entry.dtype = item["dtype"].get<std::string>();
     entry.shape = item["shape"].get<std::vector<int64_t>>();
+    TORCH_CHECK(entry.shape.size() <= 64, "'", metadata_path.string(), "': tensor '", name, "' has ", entry.shape.size(),
+                " dimensions");
+    for (auto extent : entry.shape) {
+      if (extent < 0 || extent > (int64_t{1} << 48)) fail("tensor '" + name + "' has an impossible size");
+    }
     for (const auto& chunk : item["chunks"]) {
-      entry.chunks.push_back({chunk.at("file").get<std::string>(), chunk.at("row_offset").get<int64_t>(),
-                              chunk.at("rows").get<int64_t>()});
+      Chunk parsed{chunk.at("file").get<std::string>(), chunk.at("row_offset").get<int64_t>(),
+                   chunk.at("rows").get<int64_t>()};
+      if (!is_rank_file_name(parsed.file)) fail("tensor '" + name + "' names file '" + parsed.file + "', not a rank file");
+      if (parsed.row_offset < 0 || parsed.rows < 0 || parsed.row_offset > rows_of(entry.shape) ||
+          parsed.rows > rows_of(entry.shape) - parsed.row_offset) {
+        fail("tensor '" + name + "' has a chunk outside its rows");
+      }
+      entry.chunks.push_back(parsed);
     }
     std::sort(entry.chunks.begin(), entry.chunks.end(),
               [](const Chunk& left, const Chunk& right) { return left.row_offset < right.row_offset; });

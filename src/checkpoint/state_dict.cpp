@@ -60,6 +60,11 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
 
 bool is_sharded(const ModelTensor& entry) { return entry.sharded && entry.group->shard_group(); }
 
+/// Under HYBRID_SHARD every machine holds the same shards; the first machine's copy is the one saved.
+bool is_replica_copy(const ModelTensor& entry) {
+  return entry.group && entry.group->replicate_group() && entry.group->replicate_group()->rank() != 0;
+}
+
 /// The full tensor from this rank's padded shard: all-gathered over the unit's shard group.
 at::Tensor gather_full(const detail::ParamGroup& group, const at::Tensor& padded_shard, const ShardLayout& layout) {
   const int64_t shard_size = group.shard_world_size();
@@ -186,6 +191,7 @@ ShardedTensorList sharded_model_state_dict(torch::nn::Module& model) {
       sharded.local = entry.sharded->sharded_data.detach().clone();
       sharded.global_shape = entry.sharded->layout.unsharded_sizes;
       sharded.row_offset = entry.sharded->layout.row_offset;
+      sharded.duplicate = is_replica_copy(entry);
     } else {
       sharded.local = entry.sharded ? entry.sharded->sharded_padded.view(entry.sharded->layout.unsharded_sizes).clone()
                                     : entry.tensor.detach().clone();
@@ -248,16 +254,22 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
   // Rank 0 validates everything first and tells the others, so a bad file cannot leave them waiting.
   std::string problem;
   if (is_source) {
-    for (const auto& entry : tensors) {
-      const auto name = source_name(entry, *source);
-      if (name.empty()) {
-        problem = missing_message(entry, *source, tensors.size());
-        break;
+    try {
+      for (const auto& entry : tensors) {
+        const auto name = source_name(entry, *source);
+        if (name.empty()) {
+          problem = missing_message(entry, *source, tensors.size());
+          break;
+        }
+        if (at::IntArrayRef(source->shape(name)) != global_shape(entry)) {
+          problem = shape_message(entry, name, *source, global_shape(entry));
+          break;
+        }
+        source->rows(name, 0, 0);  // a dtype libtorch cannot hold fails here, before any broadcast
       }
-      if (at::IntArrayRef(source->shape(name)) != global_shape(entry)) {
-        problem = shape_message(entry, name, *source, global_shape(entry));
-        break;
-      }
+    } catch (const std::exception& error) {
+      problem = error.what();
+      if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) problem = c10_error->what_without_backtrace();
     }
   }
   auto length = at::full({1}, static_cast<int64_t>(problem.size()), at::kLong);
@@ -273,12 +285,21 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
   for (const auto& entry : tensors) {
     const auto shape = global_shape(entry);
     at::Tensor full;
+    // Rank 0 says whether it could read the tensor before the others wait for it.
+    auto status = at::zeros({1}, at::kLong);
+    std::string read_error;
     if (is_source) {
-      const auto name = source_name(entry, *source);
-      full = source->rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).to(entry.tensor.scalar_type()).contiguous();
-    } else {
-      full = at::empty(shape, entry.tensor.options().requires_grad(false));
+      try {
+        const auto name = source_name(entry, *source);
+        full = source->rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).to(entry.tensor.scalar_type()).contiguous();
+      } catch (const c10::Error& error) {
+        read_error = error.what_without_backtrace();
+        status.fill_(1);
+      }
     }
+    broadcast(context.world(), status, 0);
+    TORCH_CHECK(status.item<int64_t>() == 0, is_source ? read_error : "rank 0 could not read '" + entry.name + "'");
+    if (!is_source) full = at::empty(shape, entry.tensor.options().requires_grad(false));
     peak_bytes = std::max<int64_t>(peak_bytes, full.numel() * full.element_size());
     broadcast(context.world(), full, 0);
     if (is_sharded(entry)) {
@@ -324,6 +345,8 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
   for (const auto& entry : model_tensors(model)) {
     if (entry.sharded) continue;
     TORCH_CHECK(source.contains(entry.name), "LOCAL state dict lacks buffer or parameter '", entry.name, "'");
+    TORCH_CHECK(at::IntArrayRef(source.shape(entry.name)) == entry.tensor.sizes(), shape_message(entry, entry.name, source,
+                                                                                                  entry.tensor.sizes()));
     copy_into_model(entry, source.rows(entry.name, 0, entry.tensor.dim() == 0 ? 1 : entry.tensor.size(0)));
   }
 }
@@ -337,7 +360,9 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
   OptimizerStateDict result;
   result.optimizer = detail::optimizer_type(optimizer);
   auto groups = nlohmann::json::array();
-  bool keep = true;
+  const auto units = fsdp_modules(model);
+  const int64_t rank = units.empty() ? 0 : units.front().group().context().rank();
+  const bool keep = !full_config || !full_config->rank0_only || rank == 0;
   for (auto& group : optimizer.param_groups()) {
     auto values = detail::options_json(result.optimizer, group.options());
     auto names = nlohmann::json::array();
@@ -357,11 +382,11 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
             sharded.local = gather_full(*entry.group, padded(value, layout), layout);
             sharded.global_shape = layout.unsharded_sizes;
             sharded.replicated = true;
-            if (full_config->rank0_only && entry.group->context().rank() != 0) keep = false;
           } else {
             sharded.local = value.detach().clone();
             sharded.global_shape = layout.unsharded_sizes;
             sharded.row_offset = layout.row_offset;
+            sharded.duplicate = is_replica_copy(entry);
           }
         } else {
           sharded.local = value.detach().clone();
@@ -390,9 +415,27 @@ OptimizerStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch:
   return optimizer_state_dict(model, optimizer, std::nullopt);
 }
 
+namespace {
+void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                         const std::string& optimizer_type, const std::string& param_groups_json,
+                                         const TensorSource& tensors);
+}
+
 void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                                const std::string& optimizer_type, const std::string& param_groups_json,
                                const TensorSource& tensors) {
+  try {
+    load_optimizer_state_dict_unchecked(model, optimizer, optimizer_type, param_groups_json, tensors);
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK(false, "optimizer state in ", tensors.description(), " has malformed parameter groups (", error.what(),
+                ")");
+  }
+}
+
+namespace {
+void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                         const std::string& optimizer_type, const std::string& param_groups_json,
+                                         const TensorSource& tensors) {
   const auto type = detail::optimizer_type(optimizer);
   TORCH_CHECK(type == optimizer_type, "the checkpoint holds ", optimizer_type, " state but the optimizer is ", type,
               "; create the same optimizer class the checkpoint was saved with");
@@ -432,12 +475,17 @@ void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
         if (!tensors.contains(name)) continue;
         const auto shape = tensors.shape(name);
         at::Tensor local;
-        if (is_sharded(entry) && at::IntArrayRef(shape) == at::IntArrayRef(entry.sharded->layout.unsharded_sizes) &&
-            !shape.empty()) {
-          local = local_rows(tensors, name, entry.sharded->layout, parameter.options()).to(parameter.scalar_type());
+        if (std::string(field) != "step" && is_sharded(entry) &&
+            at::IntArrayRef(shape) == at::IntArrayRef(entry.sharded->layout.unsharded_sizes)) {
+          // Own memory: a view would keep the whole tensor of a FULL file alive on every rank.
+          local = local_rows(tensors, name, entry.sharded->layout, parameter.options())
+                      .to(parameter.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         } else {
           local = tensors.rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).clone();
         }
+        TORCH_CHECK(std::string(field) == "step" || local.sizes() == parameter.sizes(), "optimizer state '", name, "' in ",
+                    tensors.description(), " has shape ", shape_text(shape), " but parameter '", entry.name,
+                    "' has shape ", shape_text(global_shape(entry)), "; the checkpoint belongs to another model");
         fields.emplace_back(field, local.contiguous());
       }
       const auto key = optimizer_key(parameter);
@@ -450,6 +498,7 @@ void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
     detail::apply_options_json(type, values, group.options());
   }
 }
+}  // namespace
 
 c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state) {
   const auto groups = nlohmann::json::parse(state.param_groups_json);
@@ -524,16 +573,21 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
     if (!item.isGenericDict()) fail("a parameter group is not a dict");
     nlohmann::json values;
     for (const auto& entry : item.toGenericDict()) {
+      if (!entry.key().isString()) fail("a parameter group has a key that is not a string");
       const auto& key = entry.key().toStringRef();
       const auto& field = entry.value();
       if (field.isDouble()) values[key] = field.toDouble();
       else if (field.isInt()) values[key] = field.toInt();
       else if (field.isBool()) values[key] = field.toBool();
-      else if (field.isTuple()) values[key] = {field.toTupleRef().elements()[0].toDouble(), field.toTupleRef().elements()[1].toDouble()};
-      else if (field.isList()) {
+      else if (field.isTuple()) {
+        const auto& elements = field.toTupleRef().elements();
+        if (elements.size() != 2 || !elements[0].isDouble() || !elements[1].isDouble()) fail("'" + key + "' is not a pair of numbers");
+        values[key] = {elements[0].toDouble(), elements[1].toDouble()};
+      } else if (field.isList()) {
         auto names = nlohmann::json::array();
         for (const auto& name : field.toList()) {
           const c10::IValue element = name;
+          if (!element.isString()) fail("'" + key + "' lists something that is not a parameter name");
           names.push_back(element.toStringRef());
         }
         values[key] = names;

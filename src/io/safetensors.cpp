@@ -116,6 +116,10 @@ c10::ScalarType safetensors_scalar_type(const std::string& dtype) {
 }
 
 const SafetensorsTensorInfo* SafetensorsHeader::find(const std::string& name) const {
+  if (index.size() == tensors.size()) {
+    auto found = index.find(name);
+    return found == index.end() ? nullptr : &tensors[found->second];
+  }
   for (const auto& tensor : tensors) {
     if (tensor.name == name) return &tensor;
   }
@@ -182,10 +186,22 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
     uint64_t numel = 1;
     for (const auto& dimension : value["shape"]) {
       const int64_t extent = checked_nonnegative(dimension, source, name, "shape");
+      // The format's schema bounds every size by 2^48 - 1; with it a zero-sized dimension cannot hide
+      // an overflow in the others.
+      TORCH_CHECK(extent < (int64_t{1} << 48), "safetensors file '", source, "': tensor '", name, "' has size ", extent,
+                  ", over the format's limit of 2^48 - 1; the shape element count overflows");
       info.shape.push_back(extent);
       TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<uint64_t>(extent), &numel) &&
                       numel <= static_cast<uint64_t>(INT64_MAX),
                   "safetensors file '", source, "': tensor '", name, "' has a shape whose element count overflows");
+    }
+    TORCH_CHECK(info.shape.size() <= 64, "safetensors file '", source, "': tensor '", name, "' has ", info.shape.size(),
+                " dimensions");
+    uint64_t trailing = 8;
+    for (size_t dimension = 1; dimension < info.shape.size(); ++dimension) {
+      TORCH_CHECK(!__builtin_mul_overflow(trailing, static_cast<uint64_t>(info.shape[dimension]), &trailing) &&
+                      trailing <= static_cast<uint64_t>(INT64_MAX),
+                  "safetensors file '", source, "': tensor '", name, "' has a row size that overflows");
     }
     const auto& offsets = value["data_offsets"];
     TORCH_CHECK(offsets.is_array() && offsets.size() == 2, "safetensors file '", source, "': tensor '", name,
@@ -215,6 +231,7 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
   TORCH_CHECK(static_cast<uint64_t>(expected_begin) == data_size, "safetensors file '", source,
               "': the tensors end at data offset ", expected_begin, " but the data section is ", data_size,
               " bytes long", static_cast<uint64_t>(expected_begin) < data_size ? " (trailing bytes)" : " (truncated)");
+  for (size_t position = 0; position < result.tensors.size(); ++position) result.index[result.tensors[position].name] = position;
   return result;
 }
 
@@ -226,6 +243,10 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
     const int error = errno;
     ::close(fd);
     TORCH_CHECK(false, "cannot stat safetensors file '", path, "': ", std::strerror(error));
+  }
+  if (!S_ISREG(status.st_mode)) {
+    ::close(fd);
+    TORCH_CHECK(false, "safetensors file '", path, "' is not a regular file");
   }
   size_ = static_cast<size_t>(status.st_size);
   if (size_ > 0) {
@@ -296,30 +317,52 @@ at::Tensor SafetensorsReader::rows(const std::string& name, int64_t row_begin, i
   } else {
     shape[0] = row_count;
   }
-  auto result = at::empty(shape, at::TensorOptions().dtype(dtype));
+  // Bytes go into a byte tensor first: a BOOL byte other than 0 or 1 would be undefined as a bool.
+  auto bytes = at::empty({row_count * row_bytes}, at::TensorOptions().dtype(at::kByte));
   if (row_count > 0 && row_bytes > 0) {
-    std::memcpy(result.data_ptr(), mapping_ + header_.data_offset + found.begin + row_begin * row_bytes,
+    std::memcpy(bytes.data_ptr(), mapping_ + header_.data_offset + found.begin + row_begin * row_bytes,
                 static_cast<size_t>(row_count * row_bytes));
   }
-  return result;
+  if (dtype == at::kBool) {
+    TORCH_CHECK(bytes.numel() == 0 || bytes.max().item<uint8_t>() <= 1, "safetensors file '", path_, "': BOOL tensor '",
+                name, "' holds bytes other than 0 and 1");
+  }
+  return bytes.view(dtype).view(shape);
 }
 
 namespace {
 
 struct PlannedTensor {
-  std::string name;
+  SafetensorsEntry entry;
+  /// Set when the bytes come from a tensor in memory.
   at::Tensor tensor;
-  std::string dtype;
   int64_t begin = 0;
   int64_t end = 0;
 };
 
+void assign_offsets(std::vector<PlannedTensor>& planned) {
+  std::set<std::string> names;
+  for (const auto& item : planned) {
+    TORCH_CHECK(names.insert(item.entry.name).second, "write_safetensors: tensor name '", item.entry.name,
+                "' is given twice");
+  }
+  std::sort(planned.begin(), planned.end(), [](const PlannedTensor& left, const PlannedTensor& right) {
+    const auto left_rank = dtype_rank(left.entry.dtype), right_rank = dtype_rank(right.entry.dtype);
+    if (left_rank != right_rank) return left_rank > right_rank;
+    return left.entry.name < right.entry.name;
+  });
+  int64_t offset = 0;
+  for (auto& item : planned) {
+    item.begin = offset;
+    offset += safetensors_byte_size(item.entry.dtype, item.entry.shape);
+    item.end = offset;
+  }
+}
+
 std::vector<PlannedTensor> plan(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {
   std::vector<PlannedTensor> planned;
-  std::set<std::string> names;
   std::map<const void*, std::string> storages;
   for (const auto& [name, tensor] : tensors) {
-    TORCH_CHECK(names.insert(name).second, "write_safetensors: tensor name '", name, "' is given twice");
     TORCH_CHECK(tensor.defined() && tensor.device().is_cpu(), "write_safetensors: tensor '", name,
                 "' must be a defined CPU tensor");
     if (tensor.numel() > 0) {
@@ -327,19 +370,12 @@ std::vector<PlannedTensor> plan(const std::vector<std::pair<std::string, at::Ten
       TORCH_CHECK(inserted, "write_safetensors: tensors '", found->second, "' and '", name,
                   "' share memory (tied weights?); save one of the names only");
     }
-    planned.push_back({name, tensor, safetensors_dtype_name(tensor.scalar_type())});
+    PlannedTensor item;
+    item.entry = {name, safetensors_dtype_name(tensor.scalar_type()), tensor.sizes().vec()};
+    item.tensor = tensor;
+    planned.push_back(std::move(item));
   }
-  std::sort(planned.begin(), planned.end(), [](const PlannedTensor& left, const PlannedTensor& right) {
-    const auto left_rank = dtype_rank(left.dtype), right_rank = dtype_rank(right.dtype);
-    if (left_rank != right_rank) return left_rank > right_rank;
-    return left.name < right.name;
-  });
-  int64_t offset = 0;
-  for (auto& entry : planned) {
-    entry.begin = offset;
-    offset += static_cast<int64_t>(entry.tensor.numel() * entry.tensor.element_size());
-    entry.end = offset;
-  }
+  assign_offsets(planned);
   return planned;
 }
 
@@ -350,12 +386,12 @@ std::string header_text(const std::vector<PlannedTensor>& planned, const std::ma
     text += "\"__metadata__\":" + nlohmann::json(metadata).dump();
     first = false;
   }
-  for (const auto& entry : planned) {
+  for (const auto& item : planned) {
     if (!first) text += ",";
     first = false;
-    text += nlohmann::json(entry.name).dump() + ":{\"dtype\":\"" + entry.dtype + "\",\"shape\":" +
-            nlohmann::json(entry.tensor.sizes().vec()).dump() + ",\"data_offsets\":[" + std::to_string(entry.begin) +
-            "," + std::to_string(entry.end) + "]}";
+    text += nlohmann::json(item.entry.name).dump() + ":{\"dtype\":\"" + item.entry.dtype + "\",\"shape\":" +
+            nlohmann::json(item.entry.shape).dump() + ",\"data_offsets\":[" + std::to_string(item.begin) + "," +
+            std::to_string(item.end) + "]}";
   }
   text += "}";
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -365,7 +401,7 @@ std::string header_text(const std::vector<PlannedTensor>& planned, const std::ma
 }
 
 void emit(const std::vector<PlannedTensor>& planned, const std::map<std::string, std::string>& metadata,
-          const detail::ByteSink& sink) {
+          const ByteWriter& sink, const std::function<void(const SafetensorsEntry&, const ByteWriter&)>& write_data) {
   const auto header = header_text(planned, metadata);
   uint8_t length[8];
   uint64_t value = header.size();
@@ -375,18 +411,46 @@ void emit(const std::vector<PlannedTensor>& planned, const std::map<std::string,
   }
   sink(length, 8);
   sink(header.data(), header.size());
-  for (const auto& entry : planned) {
-    auto contiguous = entry.tensor.contiguous();
-    sink(contiguous.data_ptr(), static_cast<size_t>(entry.end - entry.begin));
+  for (const auto& item : planned) {
+    const int64_t expected = item.end - item.begin;
+    int64_t written = 0;
+    ByteWriter counted = [&](const void* data, size_t size) {
+      written += static_cast<int64_t>(size);
+      TORCH_CHECK(written <= expected, "write_safetensors: more than ", expected, " bytes given for '", item.entry.name,
+                  "'");
+      sink(data, size);
+    };
+    if (item.tensor.defined()) {
+      auto contiguous = item.tensor.contiguous();
+      counted(contiguous.data_ptr(), static_cast<size_t>(expected));
+    } else {
+      write_data(item.entry, counted);
+    }
+    TORCH_CHECK(written == expected, "write_safetensors: ", written, " bytes given for '", item.entry.name, "', expected ",
+                expected);
   }
 }
 
 }  // namespace
 
+int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_t>& shape) {
+  const auto* entry = find_dtype(dtype);
+  TORCH_CHECK(entry, "unknown safetensors dtype '", dtype, "'");
+  int64_t numel = 1;
+  for (auto extent : shape) {
+    TORCH_CHECK(extent >= 0 && !__builtin_mul_overflow(numel, extent, &numel), "a shape with a negative or overflowing size");
+  }
+  int64_t bits = 0;
+  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(entry->bits), &bits) && bits % 8 == 0,
+              "a ", dtype, " tensor of this shape does not fill whole bytes");
+  return bits / 8;
+}
+
 std::string serialize_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                   const std::map<std::string, std::string>& metadata) {
   std::string bytes;
-  emit(plan(tensors), metadata, [&](const void* data, size_t size) { bytes.append(static_cast<const char*>(data), size); });
+  emit(plan(tensors), metadata, [&](const void* data, size_t size) { bytes.append(static_cast<const char*>(data), size); },
+       nullptr);
   return bytes;
 }
 
@@ -394,7 +458,21 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
                        std::map<std::string, std::string> metadata) {
   metadata["format"] = "pt";
   const auto planned = plan(tensors);
-  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { emit(planned, metadata, sink); });
+  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { emit(planned, metadata, sink, nullptr); });
+}
+
+void write_safetensors_streaming(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                                 std::map<std::string, std::string> metadata,
+                                 const std::function<void(const SafetensorsEntry&, const ByteWriter&)>& write_data) {
+  metadata["format"] = "pt";
+  std::vector<PlannedTensor> planned;
+  for (const auto& entry : entries) {
+    PlannedTensor item;
+    item.entry = entry;
+    planned.push_back(std::move(item));
+  }
+  assign_offsets(planned);
+  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { emit(planned, metadata, sink, write_data); });
 }
 
 }  // namespace fsdp

@@ -1,7 +1,9 @@
 #include <fsdp/torch_file.h>
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/inline_container.h>
 #include <torch/csrc/jit/serialization/pickle.h>
+#include <torch/csrc/jit/serialization/pickler.h>
 
 #include <fstream>
 #include <iterator>
@@ -13,6 +15,42 @@ namespace fsdp {
 void save_torch_file(const std::string& path, const c10::IValue& value) {
   const std::vector<char> bytes = torch::pickle_save(value);
   detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { sink(bytes.data(), bytes.size()); });
+}
+
+at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
+  // The pickler reads shapes, strides and storage sizes, never the bytes: any address will do, and
+  // each placeholder gets its own storage so none is mistaken for another's view.
+  static char no_data = 0;
+  return at::from_blob(&no_data, shape, [](void*) {}, at::TensorOptions().dtype(dtype));
+}
+
+void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
+                               const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize) {
+  std::vector<char> pickle;
+  torch::jit::Pickler pickler([&](const char* bytes, size_t size) { pickle.insert(pickle.end(), bytes, bytes + size); },
+                              nullptr, nullptr, nullptr);
+  pickler.protocol();
+  pickler.pushIValue(value);
+  pickler.stop();
+  const auto placeholders = pickler.tensorData();
+  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) {
+    caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t size) -> size_t {
+      sink(bytes, size);
+      return size;
+    });
+    // The record layout of torch::pickle_save (jit::writeArchiveAndTensors): data/<i>, then data.pkl.
+    for (size_t index = 0; index < placeholders.size(); ++index) {
+      const auto& placeholder = placeholders[index];
+      auto tensor = materialize(placeholder).contiguous();
+      TORCH_CHECK(tensor.sizes() == placeholder.sizes() && tensor.scalar_type() == placeholder.scalar_type(),
+                  "save_torch_file_streaming: tensor ", index, " is ", tensor.sizes(), " ", tensor.scalar_type(),
+                  " but its placeholder is ", placeholder.sizes(), " ", placeholder.scalar_type());
+      writer.writeRecord("data/" + std::to_string(index), tensor.data_ptr(),
+                         static_cast<size_t>(tensor.numel() * tensor.element_size()));
+    }
+    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+    writer.writeEndOfFile();
+  });
 }
 
 c10::IValue load_torch_file(const std::string& path) {

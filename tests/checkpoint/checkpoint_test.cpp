@@ -165,6 +165,78 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, CheckpointReshard,
                            return "From" + std::to_string(info.param.saved_on) + "To" + std::to_string(info.param.loaded_on);
                          });
 
+TEST(Checkpoint, HybridShardCheckpointsSaveOneCopyAndLoadBack) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::MultiRankOptions options;
+  options.environment_for_rank = [](int rank) {
+    return std::map<std::string, std::string>{
+        {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank % 2)}, {"GROUP_RANK", std::to_string(rank / 2)}};
+  };
+  testing::run_on_ranks(
+      4,
+      [directory](const DistributedContext& context) {
+        auto make = [&](uint64_t seed) {
+          torch::manual_seed(seed);
+          auto model = testing::MlpStack();
+          FullyShardOptions hybrid;
+          hybrid.sharding_strategy = ShardingStrategy::kHybridShard;
+          for (auto& block : model->blocks) fully_shard(block.ptr(), context, hybrid);
+          fully_shard(model.ptr(), context, hybrid);
+          return model;
+        };
+        auto original = make(21);
+        torch::optim::AdamW optimizer(unique_parameters(*original), adamw_options());
+        auto train = [&](testing::MlpStack& model, torch::optim::AdamW& opt, int step) {
+          torch::manual_seed(5000 + step);
+          auto inputs = torch::randn({kBatch, 3}), targets = torch::randn({kBatch, 2});
+          torch::mse_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
+          opt.step();
+          opt.zero_grad();
+        };
+        train(original, optimizer, 0);
+        save_checkpoint(directory, *original, optimizer, context, {});
+        auto resumed = make(22);
+        torch::optim::AdamW resumed_optimizer(unique_parameters(*resumed), adamw_options());
+        load_checkpoint(directory, *resumed, resumed_optimizer, context);
+        train(original, optimizer, 1);
+        train(resumed, resumed_optimizer, 1);
+        expect_bitwise_equal(*resumed, *original, "hybrid shard");
+      },
+      options);
+}
+
+TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
+  const auto directory = testing::shared_temporary_directory();
+  auto step = [](testing::MlpStack& model, torch::optim::AdamW& optimizer, const DistributedContext& context, int index) {
+    torch::manual_seed(6000 + index);
+    auto inputs = torch::randn({kBatch, 3}), targets = torch::randn({kBatch, 2});
+    torch::mse_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
+    optimizer.step();
+    optimizer.zero_grad();
+  };
+  testing::run_on_ranks(3, [directory, step](const DistributedContext& context) {
+    torch::manual_seed(23);
+    testing::MlpStack model;  // has a 0-dim temperature, sharded as one row owned by rank 0
+    for (auto& block : model->blocks) fully_shard(block.ptr(), context);
+    fully_shard(model.ptr(), context);
+    torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
+    step(model, optimizer, context, 0);
+    save_checkpoint(directory, *model, optimizer, context, {});
+  });
+  testing::run_on_ranks(2, [directory, step](const DistributedContext& context) {
+    torch::manual_seed(24);
+    testing::MlpStack model;
+    for (auto& block : model->blocks) fully_shard(block.ptr(), context);
+    fully_shard(model.ptr(), context);
+    torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
+    load_checkpoint(directory, *model, optimizer, context);
+    auto& state = static_cast<torch::optim::AdamWParamState&>(
+        *optimizer.state().at(c10::guts::to_string(model->temperature.unsafeGetTensorImpl())));
+    EXPECT_EQ(state.exp_avg().sizes(), model->temperature.sizes());
+    step(model, optimizer, context, 1);  // a wrong state shape fails here
+  });
+}
+
 TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
   const auto directory = testing::shared_temporary_directory();
   testing::run_on_ranks(2, [directory](const DistributedContext& context) {

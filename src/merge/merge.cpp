@@ -1,0 +1,248 @@
+#include <fsdp/merge.h>
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <filesystem>
+#include <map>
+
+#include <fsdp/safetensors.h>
+#include <fsdp/sharded_checkpoint.h>
+#include <fsdp/state_dict.h>
+#include <fsdp/torch_file.h>
+
+#include "io/atomic_file.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr int64_t kReadBufferBytes = 64 << 20;
+
+/// The input must be one sharded directory; a checkpoint root is the classic mistake.
+void check_input(const std::string& checkpoint_dir) {
+  TORCH_CHECK(fs::is_directory(checkpoint_dir), "merge: checkpoint directory '", checkpoint_dir, "' does not exist");
+  if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
+    std::vector<std::string> sharded;
+    for (const auto& item : fs::directory_iterator(checkpoint_dir)) {
+      if (item.is_directory() && fs::exists(item.path() / kShardedMetadataFile)) sharded.push_back(item.path().filename());
+    }
+    std::sort(sharded.begin(), sharded.end());
+    std::string list;
+    for (const auto& name : sharded) list += (list.empty() ? "" : ", ") + name;
+    TORCH_CHECK(sharded.empty(), "merge: '", checkpoint_dir, "' is a checkpoint, not a sharded directory; merge one of "
+                "its sharded directories: ", list, " (e.g. '", (fs::path(checkpoint_dir) / sharded.front()).string(), "')");
+    TORCH_CHECK(false, "merge: '", checkpoint_dir, "' has no ", kShardedMetadataFile,
+                ": it is not a sharded checkpoint directory, or its save did not finish");
+  }
+  // A directory written by save_checkpoint counts only once the whole checkpoint was marked complete.
+  const auto parent = fs::path(checkpoint_dir).lexically_normal().parent_path();
+  if (fs::exists(parent / "random_states_0.pkl") && !fs::exists(parent / "checkpoint_complete.json")) {
+    TORCH_CHECK(false, "merge: checkpoint '", parent.string(), "' is incomplete (checkpoint_complete.json is missing: "
+                "its save did not finish on every rank); merge an earlier checkpoint");
+  }
+}
+
+struct Output {
+  std::string name;
+  std::vector<std::string> tensors;
+  int64_t bytes = 0;
+};
+
+std::string shard_name(size_t index, size_t count, const std::string& prefix, const std::string& suffix) {
+  char name[128];
+  std::snprintf(name, sizeof(name), "%s-%05zu-of-%05zu%s", prefix.c_str(), index + 1, count, suffix.c_str());
+  return name;
+}
+
+/// Writes the rows of `name` into `writer`, at most kReadBufferBytes at a time.
+void stream_tensor(const ShardedDirectoryReader& reader, const std::string& name, const ByteWriter& writer,
+                   const std::function<void(int64_t)>& advance) {
+  const auto shape = reader.shape(name);
+  if (shape.empty()) {
+    auto tensor = reader.rows(name, 0, 1);
+    writer(tensor.data_ptr(), static_cast<size_t>(tensor.numel() * tensor.element_size()));
+    advance(tensor.numel() * tensor.element_size());
+    return;
+  }
+  const int64_t row_bytes = shape[0] == 0 ? 0 : safetensors_byte_size(reader.dtype(name), shape) / shape[0];
+  const int64_t rows_per_read = row_bytes == 0 ? shape[0] : std::max<int64_t>(1, kReadBufferBytes / row_bytes);
+  for (int64_t row = 0; row < shape[0]; row += rows_per_read) {
+    auto piece = reader.rows(name, row, std::min(rows_per_read, shape[0] - row)).contiguous();
+    const auto bytes = piece.numel() * piece.element_size();
+    writer(piece.data_ptr(), static_cast<size_t>(bytes));
+    advance(bytes);
+  }
+}
+
+}  // namespace
+
+int64_t parse_byte_size(const std::string& text) {
+  static const std::vector<std::pair<std::string, double>> units = {
+      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0},
+      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
+      {"B", 1.0}};
+  std::string upper;
+  for (char c : text) {
+    if (c != ' ') upper += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  double factor = 1.0;
+  std::string number = upper;
+  for (const auto& [unit, value] : units) {
+    if (upper.size() > unit.size() && upper.compare(upper.size() - unit.size(), unit.size(), unit) == 0) {
+      factor = value;
+      number = upper.substr(0, upper.size() - unit.size());
+      break;
+    }
+  }
+  size_t used = 0;
+  double amount = 0;
+  try {
+    amount = std::stod(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == number.size() && !number.empty() && amount > 0 && std::isfinite(amount), "'", text,
+              "' is not a size; write a positive number with an optional unit, e.g. 5GB, 500MB, 2GiB or 1000000");
+  return static_cast<int64_t>(amount * factor);
+}
+
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               bool safe_serialization, bool remove_checkpoint_dir) {
+  MergeOptions options;
+  options.safe_serialization = safe_serialization;
+  options.remove_checkpoint_dir = remove_checkpoint_dir;
+  return merge_fsdp_weights(checkpoint_dir, output_path, options);
+}
+
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               const MergeOptions& options) {
+  check_input(checkpoint_dir);
+  TORCH_CHECK(options.max_shard_size >= 0, "merge: max_shard_size must be positive (or 0 for one file)");
+  TORCH_CHECK(options.safe_serialization || options.max_shard_size == 0,
+              "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
+  ShardedDirectoryReader reader(checkpoint_dir);
+  const auto extra = nlohmann::json::parse(reader.extra_json());
+  const bool optimizer = extra.contains("optimizer");
+  const std::string stem = optimizer ? "optimizer" : "model";
+
+  std::map<std::string, int64_t> sizes;
+  int64_t total = 0;
+  for (const auto& name : reader.names()) {
+    sizes[name] = safetensors_byte_size(reader.dtype(name), reader.shape(name));
+    total += sizes[name];
+  }
+  // Plan the output files.
+  std::vector<Output> outputs;
+  if (!options.safe_serialization) {
+    outputs.push_back({optimizer ? "optimizer.bin" : "pytorch_model.bin", reader.names(), total});
+  } else if (options.max_shard_size == 0) {
+    outputs.push_back({stem + ".safetensors", reader.names(), total});
+  } else {
+    for (const auto& name : reader.names()) {
+      if (outputs.empty() || (outputs.back().bytes > 0 && outputs.back().bytes + sizes[name] > options.max_shard_size)) {
+        outputs.push_back({});
+      }
+      outputs.back().tensors.push_back(name);
+      outputs.back().bytes += sizes[name];
+    }
+    for (size_t index = 0; index < outputs.size(); ++index) {
+      outputs[index].name = shard_name(index, outputs.size(), stem, ".safetensors");
+    }
+  }
+  std::vector<std::string> names;
+  for (const auto& output : outputs) names.push_back(output.name);
+  const bool indexed = options.safe_serialization && options.max_shard_size > 0;
+  const std::string index_name = stem + ".safetensors.index.json";
+  if (indexed) names.push_back(index_name);
+
+  fs::create_directories(output_path);
+  for (const auto& name : names) {
+    TORCH_CHECK(options.overwrite || !fs::exists(fs::path(output_path) / name), "merge: '",
+                (fs::path(output_path) / name).string(), "' already exists; choose another output directory or pass "
+                "--overwrite");
+  }
+  const auto staging = fs::path(output_path) / (".merge-" + std::to_string(::getpid()));
+  fs::remove_all(staging);
+  fs::create_directories(staging);
+  MergeResult result;
+  int64_t written = 0;
+  auto advance = [&](int64_t bytes) {
+    written += bytes;
+    if (options.progress) options.progress(written, total);
+  };
+  try {
+    for (const auto& output : outputs) {
+      const auto path = (staging / output.name).string();
+      if (!options.safe_serialization) {
+        // torch.load's format: a dict of placeholders pickled first, each tensor written when reached.
+        std::map<const c10::TensorImpl*, std::string> placeholder_names;
+        TensorList placeholders;
+        for (const auto& name : output.tensors) {
+          auto placeholder = placeholder_tensor(reader.shape(name), safetensors_scalar_type(reader.dtype(name)));
+          placeholder_names[placeholder.unsafeGetTensorImpl()] = name;
+          placeholders.emplace_back(name, placeholder);
+        }
+        c10::IValue value;
+        if (optimizer) {
+          // The same structure as optimizer.bin of a FULL checkpoint.
+          OptimizerStateDict state;
+          state.optimizer = extra["optimizer"].get<std::string>();
+          state.param_groups_json = extra["param_groups"].dump();
+          for (const auto& [name, placeholder] : placeholders) {
+            ShardedTensor tensor;
+            tensor.local = placeholder;
+            tensor.replicated = true;
+            state.tensors.emplace_back(name, tensor);
+          }
+          value = optimizer_state_dict_to_ivalue(state);
+        } else {
+          value = tensor_dict(placeholders);
+        }
+        save_torch_file_streaming(path, value, [&](const at::Tensor& placeholder) {
+          const auto& name = placeholder_names.at(placeholder.unsafeGetTensorImpl());
+          const auto shape = reader.shape(name);
+          auto tensor = reader.rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape);
+          advance(tensor.numel() * tensor.element_size());
+          return tensor;
+        });
+      } else {
+        std::vector<SafetensorsEntry> entries;
+        for (const auto& name : output.tensors) entries.push_back({name, reader.dtype(name), reader.shape(name)});
+        std::map<std::string, std::string> metadata;
+        if (optimizer) {
+          metadata["optimizer"] = extra["optimizer"].get<std::string>();
+          metadata["param_groups"] = extra["param_groups"].dump();
+        }
+        write_safetensors_streaming(path, entries, metadata, [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
+          stream_tensor(reader, entry.name, writer, advance);
+        });
+      }
+      result.tensors += static_cast<int64_t>(output.tensors.size());
+    }
+    if (indexed) {
+      nlohmann::json index;
+      index["metadata"] = {{"total_size", total}};
+      index["weight_map"] = nlohmann::json::object();
+      for (const auto& output : outputs) {
+        for (const auto& name : output.tensors) index["weight_map"][name] = output.name;
+      }
+      detail::write_file_atomically((staging / index_name).string(), index.dump(2));
+    }
+    // Every file is complete and fsynced: move them into place.
+    for (const auto& name : names) fs::rename(staging / name, fs::path(output_path) / name);
+    fs::remove_all(staging);
+  } catch (...) {
+    std::error_code ignored;
+    fs::remove_all(staging, ignored);
+    throw;
+  }
+  result.bytes = total;
+  for (const auto& name : names) result.files.push_back((fs::path(output_path) / name).string());
+  if (options.remove_checkpoint_dir) fs::remove_all(checkpoint_dir);
+  return result;
+}
+
+}  // namespace fsdp
