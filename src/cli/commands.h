@@ -21,5 +21,6 @@ Command add_selftest_command(CLI::App& parent);
 Command add_env_command(CLI::App& parent);
 Command add_config_command(CLI::App& parent);
 Command add_to_fsdp2_command(CLI::App& parent);
+Command add_merge_command(CLI::App& parent);
 
 }  // namespace fsdp::cli

@@ -1,0 +1,221 @@
+// merge_fsdp_weights and `fsdp merge-weights`: merged files equal the FULL state dict, for checkpoints
+// from 1 to 4 ranks; inputs that cannot be merged are named; a failed merge leaves nothing behind.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/fsdp.h>
+
+#include "engine/parity.h"
+#include "engine/test_models.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// Trains a sharded tiny transformer one step on `world_size` ranks and saves a SHARDED checkpoint
+/// into `directory`/checkpoint and rank 0's FULL state dict into `directory`/full.safetensors.
+void save_sharded_checkpoint(const std::string& directory, int world_size) {
+  testing::run_on_ranks(world_size, [directory](const DistributedContext& context) {
+    torch::manual_seed(51);
+    testing::TinyTransformer model;
+    for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
+    fully_shard(model.ptr(), context);
+    torch::optim::AdamW optimizer(testing::unique_parameters(*model));
+    torch::manual_seed(52);
+    auto tokens = torch::randint(0, 11, {12, 6});
+    const int64_t local = 12 / context.world_size();
+    auto logits = fsdp::forward(model, tokens.narrow(0, context.rank() * local, local).narrow(1, 0, 5));
+    torch::nn::functional::cross_entropy(logits.reshape({-1, 11}),
+                                         tokens.narrow(0, context.rank() * local, local).narrow(1, 1, 5).reshape({-1}))
+        .backward();
+    optimizer.step();
+    save_checkpoint(directory + "/checkpoint", *model, optimizer, context, {});
+    const auto full = full_model_state_dict(*model, StateDictConfig{true, true});
+    if (context.rank() == 0) write_safetensors(directory + "/full.safetensors", full);
+  });
+}
+
+void expect_same_tensors(const TensorSource& actual, const std::string& expected_path) {
+  SafetensorsReader expected(expected_path);
+  EXPECT_EQ(actual.size(), expected.header().tensors.size());
+  for (const auto& info : expected.header().tensors) {
+    ASSERT_TRUE(actual.contains(info.name)) << info.name;
+    const auto shape = actual.shape(info.name);
+    EXPECT_TRUE(torch::equal(actual.rows(info.name, 0, shape.empty() ? 1 : shape[0]).reshape(shape),
+                             expected.tensor(info.name)))
+        << info.name;
+  }
+}
+
+TEST(Merge, MergedModelEqualsTheFullStateDictForOneToFourRanks) {
+  const auto root = testing::shared_temporary_directory();
+  for (int world_size = 1; world_size <= 4; ++world_size) {
+    save_sharded_checkpoint(root + "/w" + std::to_string(world_size), world_size);
+  }
+  if (testing::is_rank_process()) return;
+  for (int world_size = 1; world_size <= 4; ++world_size) {
+    const auto directory = root + "/w" + std::to_string(world_size);
+    const auto result = merge_fsdp_weights(directory + "/checkpoint/pytorch_model_fsdp_0", directory + "/out/nested");
+    ASSERT_EQ(result.files.size(), 1u);
+    EXPECT_EQ(fs::path(result.files[0]).filename(), "model.safetensors");
+    SafetensorsReader merged(result.files[0]);
+    EXPECT_EQ(merged.header().metadata.at("format"), "pt");
+    SafetensorsCheckpointSource source(result.files[0]);
+    expect_same_tensors(source, directory + "/full.safetensors");
+  }
+}
+
+TEST(Merge, ShardedOutputTorchBinAndOptimizerDirectories) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 3);
+  if (testing::is_rank_process()) return;
+  const auto model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
+
+  MergeOptions sharded;
+  sharded.max_shard_size = 600;  // bytes: several shards for this tiny model
+  const auto result = merge_fsdp_weights(model_dir, root + "/sharded", sharded);
+  ASSERT_GT(result.files.size(), 2u);
+  EXPECT_EQ(fs::path(result.files.back()).filename(), "model.safetensors.index.json");
+  EXPECT_EQ(fs::path(result.files.front()).filename(),
+            "model-00001-of-0000" + std::to_string(result.files.size() - 1) + ".safetensors");
+  SafetensorsCheckpointSource from_index(root + "/sharded");
+  expect_same_tensors(from_index, root + "/full.safetensors");
+
+  MergeOptions unsafe;
+  unsafe.safe_serialization = false;
+  const auto bin = merge_fsdp_weights(model_dir, root + "/bin", unsafe);
+  ASSERT_EQ(bin.files.size(), 1u);
+  EXPECT_EQ(fs::path(bin.files[0]).filename(), "pytorch_model.bin");
+  TensorListSource from_bin(tensor_dict_items(load_torch_file(bin.files[0]), bin.files[0]));
+  expect_same_tensors(from_bin, root + "/full.safetensors");
+  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0) {
+    const auto command = "/usr/bin/python3 -c 'import torch; d = torch.load(\"" + bin.files[0] +
+                         "\"); print(\"keys\", len(d), float(d[\"norm.weight\"].sum()))' 2>&1";
+    FILE* pipe = ::popen(command.c_str(), "r");
+    ASSERT_TRUE(pipe);
+    std::string output;
+    char buffer[256];
+    while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
+    ::pclose(pipe);
+    EXPECT_NE(output.find("keys " + std::to_string(from_bin.size())), std::string::npos) << output;
+  }
+
+  // The optimizer: safetensors with "state.<parameter>.<field>" keys and the groups in the metadata,
+  // or the nested optimizer.bin of a FULL checkpoint.
+  const auto optimizer = merge_fsdp_weights(root + "/checkpoint/optimizer_0", root + "/optimizer");
+  SafetensorsReader optimizer_file(optimizer.files.at(0));
+  EXPECT_EQ(fs::path(optimizer.files[0]).filename(), "optimizer.safetensors");
+  EXPECT_EQ(optimizer_file.header().metadata.at("optimizer"), "AdamW");
+  EXPECT_NE(optimizer_file.header().metadata.at("param_groups").find("\"lr\""), std::string::npos);
+  EXPECT_TRUE(optimizer_file.contains("state.norm.weight.exp_avg"));
+  const auto optimizer_bin = merge_fsdp_weights(root + "/checkpoint/optimizer_0", root + "/optimizer_bin", unsafe);
+  const auto state = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_bin.files.at(0)), "optimizer.bin");
+  EXPECT_EQ(state.optimizer, "AdamW");
+  EXPECT_EQ(state.tensors.size(), optimizer_file.header().tensors.size());
+}
+
+TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2);
+  if (testing::is_rank_process()) return;
+  const auto checkpoint = root + "/checkpoint";
+  const auto model_dir = checkpoint + "/pytorch_model_fsdp_0";
+  auto expect_error = [](const std::function<void()>& body, const std::string& expected) {
+    const auto message = testing::error_message_of(body);
+    EXPECT_NE(message.find(expected), std::string::npos) << "expected '" << expected << "' in: " << message;
+  };
+  expect_error([&] { merge_fsdp_weights(checkpoint, root + "/out"); },
+               "is a checkpoint, not a sharded directory; merge one of its sharded directories: optimizer_0, "
+               "pytorch_model_fsdp_0");
+
+  fs::rename(checkpoint + "/checkpoint_complete.json", checkpoint + "/marker.away");
+  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "is incomplete");
+  fs::rename(checkpoint + "/marker.away", checkpoint + "/checkpoint_complete.json");
+
+  fs::rename(model_dir + "/rank_00001.safetensors", model_dir + "/away");
+  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "lacks 'rank_00001.safetensors'");
+  fs::rename(model_dir + "/away", model_dir + "/rank_00001.safetensors");
+
+  {
+    std::ifstream in(model_dir + "/metadata.json");
+    std::stringstream text;
+    text << in.rdbuf();
+    auto broken = text.str();
+    const auto position = broken.find("\"row_offset\": 6");
+    ASSERT_NE(position, std::string::npos) << broken;
+    broken.replace(position, 15, "\"row_offset\": 5");
+    fs::rename(model_dir + "/metadata.json", model_dir + "/metadata.good");
+    std::ofstream(model_dir + "/metadata.json") << broken;
+    expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "in two files");
+    fs::remove(model_dir + "/metadata.json");
+    fs::rename(model_dir + "/metadata.good", model_dir + "/metadata.json");
+  }
+
+  merge_fsdp_weights(model_dir, root + "/out");
+  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "already exists; choose another output");
+
+  // A failure half-way (a full disk, here an injected error) leaves no output and keeps the input,
+  // even when asked to remove it.
+  MergeOptions failing;
+  failing.max_shard_size = 600;
+  failing.remove_checkpoint_dir = true;
+  failing.progress = [](int64_t written, int64_t total) {
+    if (written * 2 > total) throw std::runtime_error("disk full (injected)");
+  };
+  EXPECT_THROW(merge_fsdp_weights(model_dir, root + "/failed", failing), std::runtime_error);
+  EXPECT_TRUE(fs::exists(model_dir + "/metadata.json"));
+  EXPECT_TRUE(fs::is_empty(root + "/failed")) << "partial output left behind";
+
+  MergeOptions removing;
+  removing.remove_checkpoint_dir = true;
+  merge_fsdp_weights(model_dir, root + "/removed", removing);
+  EXPECT_FALSE(fs::exists(model_dir));
+  EXPECT_TRUE(fs::exists(root + "/removed/model.safetensors"));
+}
+
+TEST(Merge, CommandLineMergesAndReportsErrors) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2);
+  if (testing::is_rank_process()) return;
+  auto run = [](const std::string& arguments, std::string& output) {
+    FILE* pipe = ::popen((std::string(FSDP_CLI_PATH) + " " + arguments + " 2>&1").c_str(), "r");
+    char buffer[512];
+    output.clear();
+    while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
+    return WEXITSTATUS(::pclose(pipe));
+  };
+  std::string output;
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli --max_shard_size 1KB", output),
+            0)
+      << output;
+  EXPECT_NE(output.find("model.safetensors.index.json"), std::string::npos) << output;
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint " + root + "/cli2", output), 1) << output;
+  EXPECT_NE(output.find("fsdp: error: merge: '"), std::string::npos) << output;
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli3 --max-shard-size lots", output),
+            1)
+      << output;
+  EXPECT_NE(output.find("'lots' is not a size"), std::string::npos) << output;
+  EXPECT_EQ(run("merge-weights --help", output), 0);
+  EXPECT_EQ(run("merge-weights only_one_argument", output), 2) << output;
+}
+
+TEST(Merge, ParsesByteSizes) {
+  EXPECT_EQ(parse_byte_size("5GB"), 5000000000);
+  EXPECT_EQ(parse_byte_size("500MB"), 500000000);
+  EXPECT_EQ(parse_byte_size("1.5GB"), 1500000000);
+  EXPECT_EQ(parse_byte_size("2GiB"), 2147483648);
+  EXPECT_EQ(parse_byte_size("64kb"), 64000);
+  EXPECT_EQ(parse_byte_size("1000"), 1000);
+  EXPECT_NE(testing::error_message_of([] { parse_byte_size("-5GB"); }).find("is not a size"), std::string::npos);
+  EXPECT_NE(testing::error_message_of([] { parse_byte_size("GB"); }).find("is not a size"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace fsdp
