@@ -72,10 +72,16 @@ class SafetensorsReader {
   /// A copy of rows [row_begin, row_begin + row_count) on dim 0 of tensor `name`; only those bytes
   /// are touched.
   at::Tensor rows(const std::string& name, int64_t row_begin, int64_t row_count) const;
+  /// The raw bytes of those rows, read into `destination` (row_count x row bytes) without mapping
+  /// them: large reads leave no file pages in this process's resident memory.
+  void read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const;
+  /// Bytes in one row (dim 0) of tensor `name` (the whole tensor for 0-dim).
+  int64_t row_bytes(const std::string& name) const;
 
  private:
   const SafetensorsTensorInfo& info(const std::string& name) const;
   std::string path_;
+  int fd_ = -1;
   const uint8_t* mapping_ = nullptr;
   size_t size_ = 0;
   SafetensorsHeader header_;

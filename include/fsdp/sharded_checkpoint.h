@@ -33,6 +33,9 @@ class ShardedDirectoryReader : public TensorSource {
   bool contains(const std::string& name) const override;
   std::vector<int64_t> shape(const std::string& name) const override;
   at::Tensor rows(const std::string& name, int64_t row_begin, int64_t row_count) const override;
+  /// The raw bytes of rows [row_begin, row_begin + row_count) into `destination`, straight from the
+  /// files that hold them (for streaming writers).
+  void read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const;
   size_t size() const override { return tensors_.size(); }
   std::string description() const override { return "sharded checkpoint directory '" + directory_ + "'"; }
   /// Names in the order they were written.

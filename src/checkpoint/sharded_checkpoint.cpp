@@ -231,6 +231,24 @@ std::vector<int64_t> ShardedDirectoryReader::shape(const std::string& name) cons
 
 std::string ShardedDirectoryReader::dtype(const std::string& name) const { return entry(name).dtype; }
 
+void ShardedDirectoryReader::read_rows(const std::string& name, int64_t row_begin, int64_t row_count,
+                                       void* destination) const {
+  const auto& found = entry(name);
+  if (found.shape.empty()) {
+    files_.at(found.chunks.at(0).file)->read_rows(name, 0, 1, destination);
+    return;
+  }
+  auto* output = static_cast<char*>(destination);
+  const int64_t row_end = row_begin + row_count;
+  for (const auto& chunk : found.chunks) {
+    const int64_t begin = std::max(row_begin, chunk.row_offset);
+    const int64_t end = std::min(row_end, chunk.row_offset + chunk.rows);
+    if (begin >= end) continue;
+    const auto& file = *files_.at(chunk.file);
+    file.read_rows(name, begin - chunk.row_offset, end - begin, output + (begin - row_begin) * file.row_bytes(name));
+  }
+}
+
 at::Tensor ShardedDirectoryReader::rows(const std::string& name, int64_t row_begin, int64_t row_count) const {
   const auto& found = entry(name);
   if (found.shape.empty()) return files_.at(found.chunks.at(0).file)->tensor(name);

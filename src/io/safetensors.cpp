@@ -250,44 +250,80 @@ SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
   }
   size_ = static_cast<size_t>(status.st_size);
   if (size_ > 0) {
+    // Mapped for parsing (only the header's pages are touched); tensor data is read with pread.
     void* mapping = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
     const int error = errno;
-    ::close(fd);
+    if (mapping == MAP_FAILED) ::close(fd);
     TORCH_CHECK(mapping != MAP_FAILED, "cannot map safetensors file '", path, "': ", std::strerror(error));
     mapping_ = static_cast<const uint8_t*>(mapping);
-  } else {
-    ::close(fd);
   }
+  fd_ = fd;
   try {
     header_ = parse_safetensors(mapping_, size_, path);
   } catch (...) {
     if (mapping_) ::munmap(const_cast<uint8_t*>(mapping_), size_);
     mapping_ = nullptr;
+    ::close(fd_);
+    fd_ = -1;
     throw;
   }
 }
 
 SafetensorsReader::~SafetensorsReader() {
   if (mapping_) ::munmap(const_cast<uint8_t*>(mapping_), size_);
+  if (fd_ >= 0) ::close(fd_);
 }
 
 SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept
-    : path_(std::move(other.path_)), mapping_(other.mapping_), size_(other.size_), header_(std::move(other.header_)) {
+    : path_(std::move(other.path_)), fd_(other.fd_), mapping_(other.mapping_), size_(other.size_),
+      header_(std::move(other.header_)) {
   other.mapping_ = nullptr;
   other.size_ = 0;
+  other.fd_ = -1;
 }
 
 SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& other) noexcept {
   if (this != &other) {
     if (mapping_) ::munmap(const_cast<uint8_t*>(mapping_), size_);
+    if (fd_ >= 0) ::close(fd_);
     path_ = std::move(other.path_);
+    fd_ = other.fd_;
     mapping_ = other.mapping_;
     size_ = other.size_;
     header_ = std::move(other.header_);
     other.mapping_ = nullptr;
     other.size_ = 0;
+    other.fd_ = -1;
   }
   return *this;
+}
+
+int64_t SafetensorsReader::row_bytes(const std::string& name) const {
+  const auto& found = info(name);
+  const auto dtype = safetensors_scalar_type(found.dtype);
+  int64_t bytes = static_cast<int64_t>(c10::elementSize(dtype));
+  for (size_t dimension = 1; dimension < found.shape.size(); ++dimension) bytes *= found.shape[dimension];
+  return bytes;
+}
+
+void SafetensorsReader::read_rows(const std::string& name, int64_t row_begin, int64_t row_count,
+                                  void* destination) const {
+  const auto& found = info(name);
+  const int64_t total_rows = found.shape.empty() ? 1 : found.shape[0];
+  TORCH_CHECK(row_begin >= 0 && row_count >= 0 && row_begin + row_count <= total_rows, "safetensors file '", path_,
+              "': rows [", row_begin, ", ", row_begin + row_count, ") of tensor '", name, "' are outside its ",
+              total_rows, " rows");
+  const int64_t bytes = row_count * row_bytes(name);
+  int64_t done = 0;
+  const int64_t offset = header_.data_offset + found.begin + row_begin * row_bytes(name);
+  while (done < bytes) {
+    const ssize_t n = ::pread(fd_, static_cast<char*>(destination) + done, static_cast<size_t>(bytes - done),
+                              static_cast<off_t>(offset + done));
+    if (n < 0 && errno == EINTR) continue;
+    TORCH_CHECK(n > 0, "reading safetensors file '", path_, "' (tensor '", name, "'): ",
+                n == 0 ? "the file shrank while open" : std::strerror(errno));
+    done += n;
+  }
 }
 
 const SafetensorsTensorInfo& SafetensorsReader::info(const std::string& name) const {
@@ -319,10 +355,7 @@ at::Tensor SafetensorsReader::rows(const std::string& name, int64_t row_begin, i
   }
   // Bytes go into a byte tensor first: a BOOL byte other than 0 or 1 would be undefined as a bool.
   auto bytes = at::empty({row_count * row_bytes}, at::TensorOptions().dtype(at::kByte));
-  if (row_count > 0 && row_bytes > 0) {
-    std::memcpy(bytes.data_ptr(), mapping_ + header_.data_offset + found.begin + row_begin * row_bytes,
-                static_cast<size_t>(row_count * row_bytes));
-  }
+  if (row_count > 0 && row_bytes > 0) read_rows(name, row_begin, row_count, bytes.data_ptr());
   if (dtype == at::kBool) {
     TORCH_CHECK(bytes.numel() == 0 || bytes.max().item<uint8_t>() <= 1, "safetensors file '", path_, "': BOOL tensor '",
                 name, "' holds bytes other than 0 and 1");

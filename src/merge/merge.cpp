@@ -68,12 +68,16 @@ void stream_tensor(const ShardedDirectoryReader& reader, const std::string& name
     return;
   }
   const int64_t row_bytes = shape[0] == 0 ? 0 : safetensors_byte_size(reader.dtype(name), shape) / shape[0];
-  const int64_t rows_per_read = row_bytes == 0 ? shape[0] : std::max<int64_t>(1, kReadBufferBytes / row_bytes);
+  if (row_bytes == 0) return;
+  const int64_t rows_per_read = std::max<int64_t>(1, kReadBufferBytes / row_bytes);
+  // One buffer, reused: the bytes go from the rank files to the output without other copies.
+  static thread_local std::vector<char> buffer;
+  buffer.resize(static_cast<size_t>(std::min(rows_per_read, shape[0]) * row_bytes));
   for (int64_t row = 0; row < shape[0]; row += rows_per_read) {
-    auto piece = reader.rows(name, row, std::min(rows_per_read, shape[0] - row)).contiguous();
-    const auto bytes = piece.numel() * piece.element_size();
-    writer(piece.data_ptr(), static_cast<size_t>(bytes));
-    advance(bytes);
+    const int64_t count = std::min(rows_per_read, shape[0] - row);
+    reader.read_rows(name, row, count, buffer.data());
+    writer(buffer.data(), static_cast<size_t>(count * row_bytes));
+    advance(count * row_bytes);
   }
 }
 
