@@ -15,6 +15,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
+#include <fsdp/state_dict.h>
 
 namespace fsdp {
 
@@ -23,6 +24,12 @@ struct AcceleratorOptions {
   std::optional<std::string> mixed_precision;
   /// The FSDP configuration. Unset: resolved from the FSDP_* environment variables.
   std::optional<FullyShardedDataParallelPlugin> fsdp_plugin;
+  /// Micro-batches per optimizer step (gradient_accumulation_steps). Default: 1.
+  int64_t gradient_accumulation_steps = 1;
+  /// save_state() without a directory writes <project_dir>/checkpoints/checkpoint_<i>. Default: ".".
+  std::string project_dir = ".";
+  /// Automatic checkpoints to keep (the oldest are deleted by the main process); 0 keeps all. Default: 0.
+  int64_t total_limit = 0;
 };
 
 class Accelerator {
@@ -49,6 +56,47 @@ class Accelerator {
     return model;
   }
 
+  /// Accelerate's backward: the loss divided by gradient_accumulation_steps, then backward.
+  void backward(const torch::Tensor& loss);
+
+  /// One micro-batch of gradient accumulation (Accelerate's `with accelerator.accumulate(model)`):
+  /// gradients are reduced across ranks only on the last micro-batch of each optimizer step, when
+  /// sync_gradients() is true; step the optimizer only then.
+  class AccumulateScope {
+   public:
+    explicit AccumulateScope(Accelerator& accelerator);
+   private:
+    Accelerator& accelerator_;
+  };
+  AccumulateScope accumulate() { return AccumulateScope(*this); }
+  /// Whether the current micro-batch ends an optimizer step (always true without accumulation).
+  bool sync_gradients() const { return sync_gradients_; }
+  int64_t gradient_accumulation_steps() const { return gradient_accumulation_steps_; }
+
+  /// Global gradient norm of the prepared model, clipped to max_norm (fsdp::clip_grad_norm_).
+  double clip_grad_norm_(double max_norm, double norm_type = 2.0);
+  /// Every rank's tensor concatenated on dim 0 (all ranks pass the same shape). Collective.
+  at::Tensor gather(const at::Tensor& tensor) const;
+  /// Sum or mean over ranks ("sum" / "mean"). Collective.
+  at::Tensor reduce(const at::Tensor& tensor, const std::string& reduction = "mean") const;
+  /// Prints a line on the main process only.
+  void print(const std::string& line) const;
+  void wait_for_everyone() const;
+
+  /// The prepared model's full state dict on rank 0 (other ranks get an empty list). Collective.
+  TensorList get_state_dict();
+  /// Hugging Face layout in `directory`: model.safetensors, or shards of at most max_shard_size bytes
+  /// with model.safetensors.index.json (pytorch_model.bin when safe_serialization is false). Rank 0
+  /// writes. Collective.
+  void save_model(const std::string& directory, int64_t max_shard_size = 10'000'000'000,
+                  bool safe_serialization = true);
+
+  /// save_state into <project_dir>/checkpoints/checkpoint_<i>, i counting up from the highest
+  /// existing one, pruning beyond total_limit. Returns the directory. Collective.
+  std::string save_state(const TrainingProgress& progress);
+  /// The newest complete automatic checkpoint, or "" when there is none.
+  std::string latest_checkpoint() const;
+
   /// Saves the prepared model and optimizer with the plugin's state_dict_type, plus `progress`
   /// (Accelerate's save_state; layout in checkpoint.h). The optimizer passed to prepare must still
   /// exist. Collective.
@@ -62,6 +110,11 @@ class Accelerator {
   std::string mixed_precision_;
   std::shared_ptr<torch::nn::Module> model_;
   torch::optim::Optimizer* optimizer_ = nullptr;
+  int64_t gradient_accumulation_steps_ = 1;
+  int64_t micro_step_ = 0;
+  bool sync_gradients_ = true;
+  std::string project_dir_;
+  int64_t total_limit_ = 0;
 };
 
 }  // namespace fsdp

@@ -2,17 +2,32 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
 #include <map>
 #include <unordered_map>
 
+#include <fsdp/clip_grad_norm.h>
+#include <fsdp/collectives.h>
 #include <fsdp/fsdp2_prepare.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/torch_file.h>
 
 #include "config/text.h"
+#include "io/atomic_file.h"
 
 namespace fsdp {
 
 Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options, const EnvironmentMap& environment)
-    : context_(std::move(context)) {
+    : context_(std::move(context)),
+      gradient_accumulation_steps_(options.gradient_accumulation_steps),
+      project_dir_(options.project_dir),
+      total_limit_(options.total_limit) {
+  TORCH_CHECK(gradient_accumulation_steps_ >= 1, "Accelerator: gradient_accumulation_steps must be at least 1, got ",
+              gradient_accumulation_steps_);
+  TORCH_CHECK(total_limit_ >= 0, "Accelerator: total_limit must be 0 (keep all) or positive, got ", total_limit_);
   if (options.mixed_precision) {
     mixed_precision_ = detail::to_lower(*options.mixed_precision);
   } else {
@@ -87,6 +102,155 @@ void Accelerator::save_state(const std::string& directory, const TrainingProgres
 TrainingProgress Accelerator::load_state(const std::string& directory) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::load_state: prepare(model, optimizer) first");
   return load_checkpoint(directory, *model_, *optimizer_, context_);
+}
+
+}  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+/// The number at the end of a checkpoint directory's name (checkpoint_12 -> 12), or -1.
+int64_t checkpoint_number(const std::string& name) {
+  const std::string prefix = "checkpoint_";
+  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size()) return -1;
+  for (size_t index = prefix.size(); index < name.size(); ++index) {
+    if (!std::isdigit(static_cast<unsigned char>(name[index]))) return -1;
+  }
+  return std::stoll(name.substr(prefix.size()));
+}
+
+std::vector<std::pair<int64_t, fs::path>> automatic_checkpoints(const std::string& project_dir) {
+  std::vector<std::pair<int64_t, fs::path>> found;
+  const auto root = fs::path(project_dir) / "checkpoints";
+  if (!fs::is_directory(root)) return found;
+  for (const auto& item : fs::directory_iterator(root)) {
+    const auto number = checkpoint_number(item.path().filename().string());
+    if (item.is_directory() && number >= 0) found.emplace_back(number, item.path());
+  }
+  std::sort(found.begin(), found.end());
+  return found;
+}
+
+}  // namespace
+
+Accelerator::AccumulateScope::AccumulateScope(Accelerator& accelerator) : accelerator_(accelerator) {
+  ++accelerator_.micro_step_;
+  accelerator_.sync_gradients_ = accelerator_.micro_step_ % accelerator_.gradient_accumulation_steps_ == 0;
+  TORCH_CHECK(accelerator_.model_, "Accelerator::accumulate: prepare(model, optimizer) first");
+  if (auto unit = fsdp_module_of(*accelerator_.model_)) unit->set_requires_gradient_sync(accelerator_.sync_gradients_);
+}
+
+void Accelerator::backward(const torch::Tensor& loss) {
+  (gradient_accumulation_steps_ > 1 ? loss / static_cast<double>(gradient_accumulation_steps_) : loss).backward();
+}
+
+double Accelerator::clip_grad_norm_(double max_norm, double norm_type) {
+  TORCH_CHECK(model_, "Accelerator::clip_grad_norm_: prepare(model, optimizer) first");
+  return fsdp::clip_grad_norm_(*model_, max_norm, norm_type);
+}
+
+at::Tensor Accelerator::gather(const at::Tensor& tensor) const {
+  auto input = tensor.detach().contiguous().reshape({-1});
+  auto output = at::empty({input.numel() * context_.world_size()}, input.options());
+  all_gather(context_.world(), output, input);
+  std::vector<int64_t> shape = tensor.sizes().vec();
+  if (shape.empty()) return output;
+  shape[0] *= context_.world_size();
+  return output.view(shape);
+}
+
+at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& reduction) const {
+  TORCH_CHECK(reduction == "sum" || reduction == "mean", "Accelerator::reduce: reduction must be 'sum' or 'mean', got '",
+              reduction, "'");
+  auto result = tensor.detach().clone().contiguous();
+  all_reduce(context_.world(), result);
+  if (reduction == "mean") result.div_(static_cast<double>(context_.world_size()));
+  return result;
+}
+
+void Accelerator::print(const std::string& line) const {
+  if (is_main_process()) std::cout << line << std::endl;
+}
+
+void Accelerator::wait_for_everyone() const { barrier(context_.world()); }
+
+TensorList Accelerator::get_state_dict() {
+  TORCH_CHECK(model_, "Accelerator::get_state_dict: prepare(model, optimizer) first");
+  return full_model_state_dict(*model_, StateDictConfig{true, true});
+}
+
+void Accelerator::save_model(const std::string& directory, int64_t max_shard_size, bool safe_serialization) {
+  auto state = get_state_dict();
+  std::string error;
+  if (is_main_process()) {
+    try {
+      fs::create_directories(directory);
+      int64_t total = 0;
+      for (const auto& [name, tensor] : state) total += tensor.numel() * tensor.element_size();
+      if (!safe_serialization) {
+        save_torch_file((fs::path(directory) / "pytorch_model.bin").string(), tensor_dict(state));
+      } else if (max_shard_size <= 0 || total <= max_shard_size) {
+        write_safetensors((fs::path(directory) / "model.safetensors").string(), state);
+      } else {
+        std::vector<TensorList> shards(1);
+        int64_t shard_bytes = 0;
+        for (const auto& item : state) {
+          const int64_t bytes = item.second.numel() * item.second.element_size();
+          if (shard_bytes > 0 && shard_bytes + bytes > max_shard_size) {
+            shards.emplace_back();
+            shard_bytes = 0;
+          }
+          shards.back().push_back(item);
+          shard_bytes += bytes;
+        }
+        std::string weight_map;
+        for (size_t index = 0; index < shards.size(); ++index) {
+          char name[64];
+          std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", index + 1, shards.size());
+          write_safetensors((fs::path(directory) / name).string(), shards[index]);
+          for (const auto& item : shards[index]) {
+            weight_map += std::string(weight_map.empty() ? "" : ",\n    ") + "\"" + item.first + "\": \"" + name + "\"";
+          }
+        }
+        detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
+                                      "{\n  \"metadata\": {\"total_size\": " + std::to_string(total) +
+                                          "},\n  \"weight_map\": {\n    " + weight_map + "\n  }\n}\n");
+      }
+    } catch (const std::exception& failure) {
+      const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
+      error = c10_error ? c10_error->what_without_backtrace() : failure.what();
+    }
+  }
+  // Every rank learns whether rank 0 managed to write the model.
+  auto failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
+  broadcast(context_.world(), failed, 0);
+  TORCH_CHECK(failed.item<int64_t>() == 0, is_main_process() ? error : "rank 0 could not save the model to '" + directory + "'");
+}
+
+std::string Accelerator::save_state(const TrainingProgress& progress) {
+  const auto existing = automatic_checkpoints(project_dir_);
+  const int64_t number = existing.empty() ? 0 : existing.back().first + 1;
+  const auto directory = (fs::path(project_dir_) / "checkpoints" / ("checkpoint_" + std::to_string(number))).string();
+  save_state(directory, progress);
+  if (is_main_process() && total_limit_ > 0) {
+    auto all = automatic_checkpoints(project_dir_);
+    while (static_cast<int64_t>(all.size()) > total_limit_) {
+      fs::remove_all(all.front().second);
+      all.erase(all.begin());
+    }
+  }
+  wait_for_everyone();
+  return directory;
+}
+
+std::string Accelerator::latest_checkpoint() const {
+  auto all = automatic_checkpoints(project_dir_);
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (is_complete_checkpoint(it->second.string())) return it->second.string();
+  }
+  return "";
 }
 
 }  // namespace fsdp

@@ -167,8 +167,12 @@ void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs) {
     }
   }
   group.post_forward(grad_enabled);
-  if (!grad_enabled) return;
   auto root_state = group.root_state();
+  if (!grad_enabled) {
+    // No backward can follow: once the root's forward is over, nothing needs gathered parameters.
+    if (root_state && group.is_root()) root_state->end_iteration();
+    return;
+  }
   bool any_output_requires_grad = false;
   std::weak_ptr<ParamGroup> weak_group = group.shared_from_this();
   for (auto* output : outputs) {

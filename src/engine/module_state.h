@@ -13,7 +13,7 @@
 // autograd engine; when backward finishes it reduces the units still pending (those whose inputs did
 // not require grad, and units nobody forwarded) in reverse forward order and then in reverse creation
 // order, reshards everything and puts the sharded gradients back. A forward without grad mode frees
-// every unit, root included, right after it.
+// every unit of the tree, root included, when the root's forward returns.
 #pragma once
 
 #include <memory>

@@ -226,8 +226,9 @@ void ParamGroup::pre_forward(bool grad_enabled) {
 }
 
 void ParamGroup::post_forward(bool grad_enabled) {
-  // Without grad mode no backward can follow, so even the root frees its parameters.
-  if (!grad_enabled || reshard_after_forward()) reshard();
+  // Without grad mode the units keep their usual policy (a tied output head may still need the
+  // embedding's unit); the root frees every unit of the tree once the whole forward is done.
+  if (reshard_after_forward()) reshard();
 }
 
 void ParamGroup::pre_backward() {

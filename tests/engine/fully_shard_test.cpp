@@ -536,6 +536,16 @@ TEST(FullyShard, EvaluationWithoutGradFreesEveryUnitIncludingTheRoot) {
     auto output = fsdp::forward(model, local_slice(inputs, context));
     EXPECT_EQ(output.size(0), kGlobalBatch / 2);
     for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
+
+    // A tied output head outside the embedding's unit still sees the gathered weight.
+    torch::manual_seed(9);
+    testing::TinyTransformer reference;
+    torch::manual_seed(9);
+    testing::TinyTransformer sharded;
+    shard_transformer(sharded, context, {});
+    auto [tokens, unused] = token_batch(0);
+    EXPECT_TRUE(tensors_close(fsdp::forward(sharded, tokens), reference->forward(tokens)));
+    for (const auto& unit : fsdp_modules(*sharded)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
   });
 }
 

@@ -1,0 +1,228 @@
+#include <fsdp/models/llama.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+
+namespace fsdp::models {
+namespace {
+
+/// transformers' rotate_half: the second half of the last dim, negated, then the first half.
+torch::Tensor rotate_half(const torch::Tensor& x) {
+  const int64_t half = x.size(-1) / 2;
+  return torch::cat({-x.narrow(-1, half, half), x.narrow(-1, 0, half)}, -1);
+}
+
+/// cos and sin [length, head_dim] of the rotary embedding (LlamaRotaryEmbedding, default rope type).
+std::pair<torch::Tensor, torch::Tensor> rotary(int64_t length, int64_t head_dim, double theta, const torch::TensorOptions& options) {
+  auto inverse_frequency =
+      1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(head_dim));
+  auto positions = torch::arange(length, torch::kFloat);
+  auto frequencies = torch::outer(positions, inverse_frequency);
+  auto embedding = torch::cat({frequencies, frequencies}, -1);
+  return {embedding.cos().to(options.dtype()), embedding.sin().to(options.dtype())};
+}
+
+nlohmann::json required(const nlohmann::json& config, const char* key, const std::string& source) {
+  TORCH_CHECK(config.contains(key), "Llama config '", source, "' lacks '", key, "'");
+  return config[key];
+}
+
+}  // namespace
+
+void LlamaConfig::validate() const {
+  TORCH_CHECK(vocab_size > 0 && hidden_size > 0 && intermediate_size > 0 && num_hidden_layers > 0,
+              "LlamaConfig: sizes must be positive");
+  TORCH_CHECK(num_attention_heads > 0 && hidden_size % num_attention_heads == 0, "LlamaConfig: hidden_size ",
+              hidden_size, " is not divisible by num_attention_heads ", num_attention_heads);
+  TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: head_dim ", head_dim(), " must be even for rotary embeddings");
+  TORCH_CHECK(num_key_value_heads > 0 && num_attention_heads % num_key_value_heads == 0,
+              "LlamaConfig: num_attention_heads ", num_attention_heads, " is not a multiple of num_key_value_heads ",
+              num_key_value_heads);
+}
+
+std::string LlamaConfig::to_json() const {
+  nlohmann::json config;
+  config["architectures"] = {"LlamaForCausalLM"};
+  config["model_type"] = "llama";
+  config["vocab_size"] = vocab_size;
+  config["hidden_size"] = hidden_size;
+  config["intermediate_size"] = intermediate_size;
+  config["num_hidden_layers"] = num_hidden_layers;
+  config["num_attention_heads"] = num_attention_heads;
+  config["num_key_value_heads"] = num_key_value_heads;
+  config["max_position_embeddings"] = max_position_embeddings;
+  config["rms_norm_eps"] = rms_norm_eps;
+  config["rope_theta"] = rope_theta;
+  config["tie_word_embeddings"] = tie_word_embeddings;
+  config["hidden_act"] = "silu";
+  config["torch_dtype"] = "float32";
+  config["initializer_range"] = initializer_range;
+  config["attention_bias"] = false;
+  config["mlp_bias"] = false;
+  config["bos_token_id"] = nullptr;
+  config["eos_token_id"] = nullptr;
+  return config.dump(2);
+}
+
+LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& source) {
+  nlohmann::json config;
+  try {
+    config = nlohmann::json::parse(text);
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK(false, "Llama config '", source, "' is not valid JSON (", error.what(), ")");
+  }
+  LlamaConfig result;
+  try {
+    TORCH_CHECK(config.is_object(), "Llama config '", source, "' is not a JSON object");
+    TORCH_CHECK(config.value("model_type", "llama") == "llama", "'", source, "' describes a ", config["model_type"].dump(),
+                " model; this program builds Llama models");
+    result.vocab_size = required(config, "vocab_size", source).get<int64_t>();
+    result.hidden_size = required(config, "hidden_size", source).get<int64_t>();
+    result.intermediate_size = required(config, "intermediate_size", source).get<int64_t>();
+    result.num_hidden_layers = required(config, "num_hidden_layers", source).get<int64_t>();
+    result.num_attention_heads = required(config, "num_attention_heads", source).get<int64_t>();
+    result.num_key_value_heads = config.value("num_key_value_heads", result.num_attention_heads);
+    result.max_position_embeddings = config.value("max_position_embeddings", result.max_position_embeddings);
+    result.rms_norm_eps = config.value("rms_norm_eps", result.rms_norm_eps);
+    result.rope_theta = config.value("rope_theta", result.rope_theta);
+    result.tie_word_embeddings = config.value("tie_word_embeddings", result.tie_word_embeddings);
+    TORCH_CHECK(config.value("hidden_act", std::string("silu")) == "silu", "'", source, "' uses hidden_act ",
+                config["hidden_act"].dump(), "; only silu (SwiGLU) is implemented");
+  } catch (const nlohmann::json::exception& error) {
+    TORCH_CHECK(false, "Llama config '", source, "' has a field of the wrong type (", error.what(), ")");
+  }
+  result.validate();
+  return result;
+}
+
+LlamaConfig LlamaConfig::preset(const std::string& name) {
+  LlamaConfig config;
+  if (name == "tiny") return config;
+  if (name == "small") {
+    config.hidden_size = 256;
+    config.intermediate_size = 688;
+    config.num_hidden_layers = 4;
+    config.num_attention_heads = 8;
+    config.num_key_value_heads = 4;
+    return config;
+  }
+  if (name == "medium") {
+    config.hidden_size = 512;
+    config.intermediate_size = 1376;
+    config.num_hidden_layers = 8;
+    config.num_attention_heads = 8;
+    config.num_key_value_heads = 8;
+    config.max_position_embeddings = 1024;
+    return config;
+  }
+  TORCH_CHECK(false, "unknown model preset '", name, "'; choose tiny, small or medium");
+}
+
+LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps)
+    : weight(register_parameter("weight", torch::ones({hidden_size}))), eps(eps) {}
+
+torch::Tensor LlamaRMSNormImpl::forward(const torch::Tensor& hidden) {
+  auto as_float = hidden.to(torch::kFloat);
+  auto variance = as_float.pow(2).mean(-1, /*keepdim=*/true);
+  return weight * (as_float * torch::rsqrt(variance + eps)).to(hidden.scalar_type());
+}
+
+LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config) : config(config) {
+  const int64_t head_dim = config.head_dim();
+  auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  q_proj = register_module("q_proj", linear(config.hidden_size, config.num_attention_heads * head_dim));
+  k_proj = register_module("k_proj", linear(config.hidden_size, config.num_key_value_heads * head_dim));
+  v_proj = register_module("v_proj", linear(config.hidden_size, config.num_key_value_heads * head_dim));
+  o_proj = register_module("o_proj", linear(config.num_attention_heads * head_dim, config.hidden_size));
+}
+
+torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden) {
+  const int64_t batch = hidden.size(0), length = hidden.size(1), head_dim = config.head_dim();
+  const int64_t heads = config.num_attention_heads, kv_heads = config.num_key_value_heads;
+  auto query = fsdp::forward(q_proj, hidden).view({batch, length, heads, head_dim}).transpose(1, 2);
+  auto key = fsdp::forward(k_proj, hidden).view({batch, length, kv_heads, head_dim}).transpose(1, 2);
+  auto value = fsdp::forward(v_proj, hidden).view({batch, length, kv_heads, head_dim}).transpose(1, 2);
+  auto [cos, sin] = rotary(length, head_dim, config.rope_theta, hidden.options());
+  query = query * cos + rotate_half(query) * sin;
+  key = key * cos + rotate_half(key) * sin;
+  // repeat_kv: query head h reads key/value head h / (heads / kv_heads).
+  if (kv_heads != heads) {
+    key = key.repeat_interleave(heads / kv_heads, 1);
+    value = value.repeat_interleave(heads / kv_heads, 1);
+  }
+  auto scores = torch::matmul(query, key.transpose(2, 3)) / std::sqrt(static_cast<double>(head_dim));
+  auto mask = torch::ones({length, length}, torch::kBool).triu(1);
+  scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
+  auto weights = torch::softmax(scores.to(torch::kFloat), -1).to(query.scalar_type());
+  auto output = torch::matmul(weights, value).transpose(1, 2).reshape({batch, length, heads * head_dim});
+  return fsdp::forward(o_proj, output);
+}
+
+LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& config) {
+  auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  gate_proj = register_module("gate_proj", linear(config.hidden_size, config.intermediate_size));
+  up_proj = register_module("up_proj", linear(config.hidden_size, config.intermediate_size));
+  down_proj = register_module("down_proj", linear(config.intermediate_size, config.hidden_size));
+}
+
+torch::Tensor LlamaMLPImpl::forward(const torch::Tensor& hidden) {
+  return fsdp::forward(down_proj, torch::silu(fsdp::forward(gate_proj, hidden)) * fsdp::forward(up_proj, hidden));
+}
+
+LlamaDecoderLayerImpl::LlamaDecoderLayerImpl(const LlamaConfig& config) {
+  self_attn = register_module("self_attn", LlamaAttention(config));
+  mlp = register_module("mlp", LlamaMLP(config));
+  input_layernorm = register_module("input_layernorm", LlamaRMSNorm(config.hidden_size, config.rms_norm_eps));
+  post_attention_layernorm =
+      register_module("post_attention_layernorm", LlamaRMSNorm(config.hidden_size, config.rms_norm_eps));
+}
+
+torch::Tensor LlamaDecoderLayerImpl::forward(const torch::Tensor& hidden) {
+  auto attended = hidden + fsdp::forward(self_attn, fsdp::forward(input_layernorm, hidden));
+  return attended + fsdp::forward(mlp, fsdp::forward(post_attention_layernorm, attended));
+}
+
+LlamaModelImpl::LlamaModelImpl(const LlamaConfig& config) {
+  embed_tokens = register_module("embed_tokens", torch::nn::Embedding(config.vocab_size, config.hidden_size));
+  layers = register_module("layers", torch::nn::ModuleList());
+  for (int64_t index = 0; index < config.num_hidden_layers; ++index) {
+    decoder_layers.emplace_back(config);
+    layers->push_back(decoder_layers.back());
+  }
+  norm = register_module("norm", LlamaRMSNorm(config.hidden_size, config.rms_norm_eps));
+}
+
+torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids) {
+  auto hidden = fsdp::forward(embed_tokens, input_ids);
+  for (auto& layer : decoder_layers) hidden = fsdp::forward(layer, hidden);
+  return fsdp::forward(norm, hidden);
+}
+
+LlamaLMHeadImpl::LlamaLMHeadImpl(const torch::Tensor& weight) : weight(register_parameter("weight", weight)) {}
+
+torch::Tensor LlamaLMHeadImpl::forward(const torch::Tensor& hidden) { return torch::nn::functional::linear(hidden, weight); }
+
+LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config) : config(config) {
+  config.validate();
+  model = register_module("model", LlamaModel(config));
+  torch::Tensor head_weight = config.tie_word_embeddings ? model->embed_tokens->weight
+                                                         : torch::empty({config.vocab_size, config.hidden_size});
+  lm_head = register_module("lm_head", LlamaLMHead(head_weight));
+  // transformers' _init_weights: normal(0, initializer_range) for linear and embedding weights.
+  torch::NoGradGuard no_grad;
+  for (auto& item : named_parameters()) {
+    if (item.key().find("norm") == std::string::npos) item.value().normal_(0.0, config.initializer_range);
+  }
+}
+
+torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids) {
+  return fsdp::forward(lm_head, fsdp::forward(model, input_ids));
+}
+
+torch::Tensor causal_lm_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}).to(torch::kFloat),
+                                              targets.reshape({-1}));
+}
+
+}  // namespace fsdp::models

@@ -1,0 +1,367 @@
+// train_llama: train a Llama-architecture byte-level language model with FSDP, save checkpoints that
+// resume exactly, and leave a Hugging Face directory (model.safetensors + config.json) behind.
+//
+//   fsdp launch --nproc-per-node 2 -- build/bin/train_llama --output-dir runs/llama
+//   build/bin/train_llama --eval-only --init-from runs/llama/final --data FILE --seq-len 128 --eval-tokens 65536
+//
+// FSDP settings come from the plugin (FSDP_* variables, or `fsdp launch --config-file`); without them
+// the job uses FSDP version 2, FULL_SHARD and transformer-based wrapping of LlamaDecoderLayer.
+#include <CLI/CLI.hpp>
+#include <ATen/CPUGeneratorImpl.h>
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+
+#include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
+
+#include "train_llama/corpus.h"
+#include "train_llama/report.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using fsdp::models::LlamaConfig;
+using fsdp::models::LlamaForCausalLM;
+
+struct Settings {
+  std::string preset = "tiny";
+  int64_t steps = 300;
+  uint64_t seed = 1234;
+  int64_t global_batch_size = 12;
+  int64_t micro_batch_size = 0;
+  int64_t seq_len = 128;
+  double lr = 3e-3;
+  double min_lr = 3e-4;
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double max_grad_norm = 1.0;
+  int64_t eval_every = 50;
+  int64_t eval_tokens = 16384;
+  std::string output_dir = "runs/llama";
+  int64_t checkpoint_every = 0;
+  int64_t total_limit = 2;
+  std::string resume_from;
+  std::string init_from;
+  std::string data;
+  std::string eval_data;
+  bool eval_only = false;
+  int64_t stop_after = 0;
+  int64_t sample_bytes = 300;
+};
+
+std::string read_text(const std::string& path) {
+  std::ifstream file(path);
+  TORCH_CHECK(file, "cannot read '", path, "'");
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+void write_text(const std::string& path, const std::string& text) {
+  std::ofstream file(path);
+  TORCH_CHECK(file, "cannot write '", path, "'");
+  file << text;
+}
+
+std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model) {
+  std::vector<torch::Tensor> parameters;
+  std::set<const c10::TensorImpl*> seen;
+  for (const auto& parameter : model.parameters()) {
+    if (seen.insert(parameter.unsafeGetTensorImpl()).second) parameters.push_back(parameter);
+  }
+  return parameters;
+}
+
+/// Linear warmup, then cosine decay to min_lr at the last step.
+double learning_rate(const Settings& settings, int64_t step) {
+  if (step <= settings.warmup_steps) return settings.lr * step / std::max<int64_t>(1, settings.warmup_steps);
+  const double progress = static_cast<double>(step - settings.warmup_steps) /
+                          std::max<int64_t>(1, settings.steps - settings.warmup_steps);
+  return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
+}
+
+/// Copies a Hugging Face directory's weights into the (not yet sharded) model, on rank 0.
+void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
+  fsdp::SafetensorsCheckpointSource source(directory);
+  torch::NoGradGuard no_grad;
+  std::set<const c10::TensorImpl*> loaded;
+  for (auto& item : model->named_parameters()) {
+    if (loaded.count(item.value().unsafeGetTensorImpl())) continue;  // the tied lm_head
+    TORCH_CHECK(source.contains(item.key()), "'", directory, "' has no weight '", item.key(),
+                "' (it has ", source.size(), " tensors); is it a Llama checkpoint of this configuration?");
+    const auto shape = source.shape(item.key());
+    TORCH_CHECK(at::IntArrayRef(shape) == item.value().sizes(), "'", directory, "': weight '", item.key(),
+                "' has another shape than config.json describes");
+    item.value().copy_(source.rows(item.key(), 0, shape.empty() ? 1 : shape[0]).reshape(shape));
+    loaded.insert(item.value().unsafeGetTensorImpl());
+  }
+}
+
+/// The plugin for this job: the FSDP_* environment, with the job's defaults where it is silent.
+fsdp::FullyShardedDataParallelPlugin job_plugin() {
+  const auto environment = fsdp::current_process_environment();
+  fsdp::FullyShardedDataParallelPluginArgs args;
+  if (!environment.count("FSDP_VERSION")) args.fsdp_version = int64_t{2};
+  if (!environment.count("FSDP_AUTO_WRAP_POLICY")) args.auto_wrap_policy = std::string("transformer_based_wrap");
+  return fsdp::FullyShardedDataParallelPlugin(args, environment);
+}
+
+/// Mean next-token cross entropy over the first `eval_tokens` bytes of `tokens`, cut into windows of
+/// seq_len + 1 (a partial last window is dropped). Ranks split the windows; all run the same number
+/// of forwards, so the sharded model's collectives line up.
+double evaluate(LlamaForCausalLM& model, const torch::Tensor& tokens, int64_t seq_len, int64_t eval_tokens,
+                const fsdp::DistributedContext& context) {
+  torch::NoGradGuard no_grad;
+  const int64_t available = std::min<int64_t>(eval_tokens, tokens.size(0));
+  const int64_t windows = available / (seq_len + 1);
+  TORCH_CHECK(windows > 0, "evaluation needs at least ", seq_len + 1, " bytes of data, got ", available);
+  const int64_t world = context.world_size(), rank = context.rank();
+  const int64_t per_rank = (windows + world - 1) / world;
+  const int64_t batch = 8;
+  double loss_sum = 0, token_count = 0;
+  for (int64_t first = 0; first < per_rank; first += batch) {
+    std::vector<torch::Tensor> rows;
+    std::vector<bool> real;
+    for (int64_t index = first; index < std::min(per_rank, first + batch); ++index) {
+      const int64_t window = index * world + rank;
+      real.push_back(window < windows);
+      rows.push_back(tokens.narrow(0, std::min(window, windows - 1) * (seq_len + 1), seq_len + 1));
+    }
+    auto windows_tensor = torch::stack(rows);
+    auto logits = fsdp::forward(model, windows_tensor.narrow(1, 0, seq_len)).to(torch::kFloat);
+    auto losses = torch::nn::functional::cross_entropy(
+        logits.reshape({-1, logits.size(-1)}), windows_tensor.narrow(1, 1, seq_len).reshape({-1}),
+        torch::nn::functional::CrossEntropyFuncOptions().reduction(torch::kNone));
+    losses = losses.view({static_cast<int64_t>(rows.size()), seq_len}).to(torch::kDouble);
+    for (size_t row = 0; row < rows.size(); ++row) {
+      if (!real[row]) continue;
+      loss_sum += losses[row].sum().item<double>();
+      token_count += seq_len;
+    }
+  }
+  auto totals = torch::tensor({loss_sum, token_count}, torch::kDouble);
+  fsdp::all_reduce(context.world(), totals);
+  return totals[0].item<double>() / totals[1].item<double>();
+}
+
+/// Text sampled from the model (temperature 0.8), the same on every rank.
+std::string generate(LlamaForCausalLM& model, const std::string& prompt, int64_t bytes, uint64_t seed) {
+  torch::NoGradGuard no_grad;
+  auto generator = at::make_generator<at::CPUGeneratorImpl>(seed);
+  std::string text = prompt;
+  for (int64_t index = 0; index < bytes; ++index) {
+    const int64_t context_bytes = std::min<int64_t>(text.size(), model->config.max_position_embeddings);
+    auto tokens = train_llama::bytes_to_tokens(text.substr(text.size() - context_bytes)).unsqueeze(0);
+    auto logits = fsdp::forward(model, tokens)[0][-1].to(torch::kFloat) / 0.8;
+    auto next = at::multinomial(torch::softmax(logits, -1), 1, false, generator).item<int64_t>();
+    text.push_back(static_cast<char>(next));
+  }
+  return text;
+}
+
+int evaluate_only(const Settings& settings, const fsdp::DistributedContext& context) {
+  TORCH_CHECK(!settings.init_from.empty(), "--eval-only needs --init-from DIR (model.safetensors + config.json)");
+  const auto config = LlamaConfig::from_json(read_text((fs::path(settings.init_from) / "config.json").string()),
+                                             (fs::path(settings.init_from) / "config.json").string());
+  torch::manual_seed(settings.seed);
+  LlamaForCausalLM model(config);
+  if (context.rank() == 0) load_weights_into(model, settings.init_from);
+  fsdp::AcceleratorOptions options;
+  options.fsdp_plugin = job_plugin();
+  options.fsdp_plugin->cpu_ram_efficient_loading = true;
+  fsdp::Accelerator accelerator(context, options);
+  fsdp::fsdp2_prepare_model(accelerator, model.ptr());
+  const auto tokens = train_llama::bytes_to_tokens(train_llama::load_corpus(settings.data, settings.seq_len + 1));
+  const double loss = evaluate(model, tokens, settings.seq_len, settings.eval_tokens, context);
+  if (context.is_main_process()) std::printf("eval_loss=%.6f\n", loss);
+  return 0;
+}
+
+int train(const Settings& settings, const fsdp::DistributedContext& context) {
+  const int64_t world = context.world_size();
+  const int64_t micro = settings.micro_batch_size > 0 ? settings.micro_batch_size : settings.global_batch_size / world;
+  TORCH_CHECK(micro > 0 && settings.global_batch_size % (world * micro) == 0, "--global-batch-size ",
+              settings.global_batch_size, " must be a multiple of ranks (", world, ") x --micro-batch-size (", micro, ")");
+  const int64_t accumulation = settings.global_batch_size / (world * micro);
+  LlamaConfig config = settings.init_from.empty()
+                           ? LlamaConfig::preset(settings.preset)
+                           : LlamaConfig::from_json(read_text((fs::path(settings.init_from) / "config.json").string()),
+                                                    (fs::path(settings.init_from) / "config.json").string());
+  TORCH_CHECK(settings.seq_len <= config.max_position_embeddings, "--seq-len ", settings.seq_len,
+              " exceeds the model's max_position_embeddings ", config.max_position_embeddings);
+  // Data: the corpus; evaluation on --eval-data, or on the last tenth of the corpus held out.
+  std::string corpus = train_llama::load_corpus(settings.data, 2 * (settings.seq_len + 1));
+  std::string eval_text;
+  if (settings.eval_data.empty()) {
+    const size_t split = corpus.size() * 9 / 10;
+    eval_text = corpus.substr(split);
+    corpus.resize(split);
+  } else {
+    eval_text = train_llama::load_corpus(settings.eval_data, settings.seq_len + 1);
+  }
+  const auto train_tokens = train_llama::bytes_to_tokens(corpus);
+  const auto eval_tokens = train_llama::bytes_to_tokens(eval_text);
+
+  torch::manual_seed(settings.seed);
+  LlamaForCausalLM model(config);
+  fsdp::AcceleratorOptions options;
+  options.fsdp_plugin = job_plugin();
+  if (!settings.init_from.empty()) {
+    if (context.rank() == 0) load_weights_into(model, settings.init_from);
+    options.fsdp_plugin->cpu_ram_efficient_loading = true;
+  }
+  options.gradient_accumulation_steps = accumulation;
+  options.project_dir = settings.output_dir;
+  options.total_limit = settings.total_limit;
+  fsdp::Accelerator accelerator(context, options);
+  torch::optim::AdamW optimizer(unique_parameters(*model),
+                                torch::optim::AdamWOptions(settings.lr).betas({0.9, 0.95}).weight_decay(settings.weight_decay));
+  accelerator.prepare(model, optimizer);
+
+  int64_t start_step = 0;
+  if (!settings.resume_from.empty()) {
+    const auto directory = settings.resume_from == "latest" ? accelerator.latest_checkpoint() : settings.resume_from;
+    TORCH_CHECK(!directory.empty(), "--resume-from latest: no complete checkpoint in '", settings.output_dir,
+                "/checkpoints'");
+    start_step = accelerator.load_state(directory).step;
+    accelerator.print("resumed from " + directory + " at step " + std::to_string(start_step));
+  }
+  const bool main = context.is_main_process();
+  std::optional<train_llama::MetricsLog> metrics;
+  if (main) {
+    fs::create_directories(settings.output_dir);
+    write_text((fs::path(settings.output_dir) / "config.json").string(), config.to_json());
+    // The evaluation text, so that `--eval-only --data eval.txt` reproduces the reported eval_loss.
+    write_text((fs::path(settings.output_dir) / "eval.txt").string(), eval_text);
+    metrics.emplace((fs::path(settings.output_dir) / "metrics.jsonl").string(), start_step);
+  }
+  const auto run_start = std::chrono::steady_clock::now();
+  double last_eval = std::nan("");
+  for (int64_t step = start_step + 1; step <= settings.steps; ++step) {
+    const auto step_start = std::chrono::steady_clock::now();
+    const double lr = learning_rate(settings, step);
+    for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
+    const auto batch = train_llama::global_batch(train_tokens, step, settings.seed, settings.global_batch_size,
+                                                 settings.seq_len);
+    const auto local = batch.narrow(0, context.rank() * accumulation * micro, accumulation * micro);
+    double loss_sum = 0;
+    for (int64_t index = 0; index < accumulation; ++index) {
+      auto scope = accelerator.accumulate();
+      const auto rows = local.narrow(0, index * micro, micro);
+      auto loss = fsdp::models::causal_lm_loss(fsdp::forward(model, rows.narrow(1, 0, settings.seq_len)),
+                                               rows.narrow(1, 1, settings.seq_len));
+      accelerator.backward(loss);
+      loss_sum += loss.item<double>();
+    }
+    const double grad_norm = accelerator.clip_grad_norm_(settings.max_grad_norm);
+    optimizer.step();
+    optimizer.zero_grad();
+    const double loss = accelerator.reduce(torch::tensor(loss_sum / accumulation, torch::kDouble)).item<double>();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
+
+    train_llama::StepMetrics record;
+    record.step = step;
+    record.loss = loss;
+    record.lr = lr;
+    record.grad_norm = grad_norm;
+    record.tokens_per_s = settings.global_batch_size * settings.seq_len / std::max(seconds, 1e-9);
+    record.peak_rss_mb = accelerator.reduce(torch::tensor(train_llama::peak_rss_mb(), torch::kDouble), "sum").item<double>() /
+                         static_cast<double>(world);
+    if ((settings.eval_every > 0 && step % settings.eval_every == 0) || step == settings.steps) {
+      last_eval = evaluate(model, eval_tokens, settings.seq_len, settings.eval_tokens, context);
+      record.eval_loss = last_eval;
+    }
+    if (main) {
+      metrics->append(record);
+      const double elapsed = std::chrono::duration<double>(std::chrono::steady_clock::now() - run_start).count();
+      train_llama::print_progress(step, settings.steps, loss, record.tokens_per_s,
+                                  elapsed / (step - start_step) * (settings.steps - step));
+      if (record.eval_loss && !::isatty(STDERR_FILENO)) {
+        std::printf("step %lld loss %.4f eval_loss %.4f lr %.2e\n", static_cast<long long>(step), loss, last_eval, lr);
+        std::fflush(stdout);
+      }
+    }
+    const bool checkpoint_now = (settings.checkpoint_every > 0 && step % settings.checkpoint_every == 0) ||
+                                step == settings.steps || step == settings.stop_after;
+    if (checkpoint_now) {
+      const auto directory = accelerator.save_state(fsdp::TrainingProgress{step, step * settings.global_batch_size, {{"lr", lr}}});
+      accelerator.print("saved checkpoint " + directory);
+    }
+    if (step == settings.stop_after) {
+      accelerator.print("stopped after step " + std::to_string(step) + "; resume with --resume-from latest");
+      if (main) train_llama::write_loss_curve((fs::path(settings.output_dir) / "loss.svg").string(), metrics->all());
+      return 0;
+    }
+  }
+  // The trained model in Hugging Face's layout, and what it writes.
+  const auto final_dir = (fs::path(settings.output_dir) / "final").string();
+  accelerator.save_model(final_dir);
+  const auto sample = generate(model, "The ", settings.sample_bytes, settings.seed);
+  if (main) {
+    write_text((fs::path(final_dir) / "config.json").string(), config.to_json());
+    write_text((fs::path(final_dir) / "sample.txt").string(), sample + "\n");
+    train_llama::write_loss_curve((fs::path(settings.output_dir) / "loss.svg").string(), metrics->all());
+    std::printf("eval_loss=%.6f\n", last_eval);
+    std::printf("model:   %s (model.safetensors, config.json)\nplot:    %s\nsample:  %s\n", final_dir.c_str(),
+                (fs::path(settings.output_dir) / "loss.svg").c_str(), (fs::path(final_dir) / "sample.txt").c_str());
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Settings settings;
+  CLI::App app{"train_llama: train a Llama-architecture byte-level language model with FSDP.\n"
+               "Run it under `fsdp launch --nproc-per-node N --`; FSDP settings come from FSDP_* variables or "
+               "`fsdp launch --config-file`."};
+  app.add_option("--preset", settings.preset, "Model size: tiny, small or medium")->capture_default_str();
+  app.add_option("--steps", settings.steps, "Optimizer steps")->capture_default_str();
+  app.add_option("--seed", settings.seed, "Seed of weights, data order and sampling")->capture_default_str();
+  app.add_option("--global-batch-size", settings.global_batch_size, "Sequences per optimizer step, all ranks together")
+      ->capture_default_str();
+  app.add_option("--micro-batch-size", settings.micro_batch_size,
+                 "Sequences per rank per forward; fewer than global/ranks accumulates gradients (0: global/ranks)")
+      ->capture_default_str();
+  app.add_option("--seq-len", settings.seq_len, "Tokens (bytes) per sequence")->capture_default_str();
+  app.add_option("--lr", settings.lr, "Peak learning rate")->capture_default_str();
+  app.add_option("--min-lr", settings.min_lr, "Learning rate at the end of the cosine decay")->capture_default_str();
+  app.add_option("--warmup-steps", settings.warmup_steps, "Linear warmup steps")->capture_default_str();
+  app.add_option("--weight-decay", settings.weight_decay, "AdamW weight decay")->capture_default_str();
+  app.add_option("--max-grad-norm", settings.max_grad_norm, "Gradient clipping norm")->capture_default_str();
+  app.add_option("--eval-every", settings.eval_every, "Evaluate every K steps (and at the end)")->capture_default_str();
+  app.add_option("--eval-tokens", settings.eval_tokens, "Bytes of evaluation text")->capture_default_str();
+  app.add_option("--output-dir", settings.output_dir, "Metrics, plot, checkpoints and final model")->capture_default_str();
+  app.add_option("--checkpoint-every", settings.checkpoint_every, "Save a checkpoint every K steps (0: only at the end)")
+      ->capture_default_str();
+  app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")->capture_default_str();
+  app.add_option("--resume-from", settings.resume_from, "A checkpoint directory, or 'latest' in --output-dir");
+  app.add_option("--init-from", settings.init_from, "A Hugging Face directory (model.safetensors + config.json)");
+  app.add_option("--data", settings.data, "Training text (default: the license texts in /usr/share/common-licenses)");
+  app.add_option("--eval-data", settings.eval_data, "Evaluation text (default: the last tenth of the training text)");
+  app.add_flag("--eval-only", settings.eval_only,
+               "Print eval_loss=<float> for --init-from on the first --eval-tokens bytes of --data, and exit");
+  app.add_option("--stop-after", settings.stop_after, "Save a checkpoint and stop after this step (to resume later)");
+  app.add_option("--sample-bytes", settings.sample_bytes, "Bytes of text to sample at the end")->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& error) {
+    return app.exit(error) == 0 ? 0 : 2;
+  }
+  try {
+    auto context = fsdp::DistributedContext::initialize_from_environment();
+    return settings.eval_only ? evaluate_only(settings, context) : train(settings, context);
+  } catch (const c10::Error& error) {
+    std::cerr << "train_llama: error: " << error.what_without_backtrace() << std::endl;
+    return 1;
+  } catch (const std::exception& error) {
+    std::cerr << "train_llama: error: " << error.what() << std::endl;
+    return 1;
+  }
+}
