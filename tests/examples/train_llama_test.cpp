@@ -1,0 +1,144 @@
+// The main job end to end: train on 2 ranks, stop at a checkpoint, resume, finish; merge; evaluate
+// the merged weights in one process; the same run on 1 and 3 ranks.
+#include <gtest/gtest.h>
+
+#include <nlohmann/json.hpp>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+
+namespace {
+
+namespace fs = std::filesystem;
+
+struct Run {
+  int exit_code = 0;
+  std::string output;
+};
+
+Run run(const std::string& command) {
+  Run result;
+  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
+  char buffer[1024];
+  while (std::fgets(buffer, sizeof(buffer), pipe)) result.output += buffer;
+  result.exit_code = WEXITSTATUS(::pclose(pipe));
+  return result;
+}
+
+std::vector<nlohmann::json> metrics_of(const std::string& directory) {
+  std::vector<nlohmann::json> lines;
+  std::ifstream file(directory + "/metrics.jsonl");
+  std::string line;
+  while (std::getline(file, line)) lines.push_back(nlohmann::json::parse(line));
+  return lines;
+}
+
+double reported_eval_loss(const std::string& output) {
+  const auto position = output.rfind("eval_loss=");
+  return position == std::string::npos ? -1 : std::stod(output.substr(position + 10));
+}
+
+class TrainLlama : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = fs::temp_directory_path() / ("fsdp_train_llama_" + std::to_string(::getpid()));
+    fs::remove_all(root_);
+    fs::create_directories(root_);
+    // A small deterministic text, so the test needs nothing from the machine.
+    std::ofstream train(root_ / "train.txt");
+    std::ofstream eval(root_ / "eval.txt");
+    for (int index = 0; index < 400; ++index) {
+      train << "Line " << index << ": every rank keeps one shard of each parameter and gathers the rest. ";
+      if (index % 4 == 0) eval << "Evaluation " << index << " checks the merged weights against the training run. ";
+    }
+  }
+  void TearDown() override { fs::remove_all(root_); }
+
+  std::string train_command(int ranks, const std::string& directory, const std::string& extra) const {
+    return std::string(FSDP_CLI_PATH) + " launch --nproc-per-node " + std::to_string(ranks) + " --master-port 0 -- " +
+           FSDP_TRAIN_LLAMA_PATH + " --output-dir " + directory + " --data " + (root_ / "train.txt").string() +
+           " --eval-data " + (root_ / "eval.txt").string() +
+           " --steps 6 --seq-len 32 --global-batch-size 6 --eval-every 3 --eval-tokens 2048 --sample-bytes 16 " +
+           "--warmup-steps 2 " + extra;
+  }
+
+  fs::path root_;
+};
+
+TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
+  const auto uninterrupted = (root_ / "uninterrupted").string();
+  auto result = run(train_command(2, uninterrupted, ""));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto reference = metrics_of(uninterrupted);
+  ASSERT_EQ(reference.size(), 6u);
+  EXPECT_LT(reference.back()["loss"].get<double>(), reference.front()["loss"].get<double>()) << "it must learn";
+  for (const char* field : {"step", "loss", "lr", "tokens_per_s", "peak_rss_mb"}) EXPECT_TRUE(reference[0].contains(field));
+  const double trained_eval = reported_eval_loss(result.output);
+  ASSERT_GT(trained_eval, 0) << result.output;
+  for (const char* file : {"loss.svg", "final/model.safetensors", "final/config.json", "final/sample.txt"}) {
+    EXPECT_TRUE(fs::exists(fs::path(uninterrupted) / file)) << file;
+  }
+  std::ifstream config_file(uninterrupted + "/final/config.json");
+  const auto config = nlohmann::json::parse(config_file);
+  for (const char* key : {"architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+                          "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "max_position_embeddings",
+                          "rms_norm_eps", "rope_theta", "tie_word_embeddings", "hidden_act", "torch_dtype"}) {
+    EXPECT_TRUE(config.contains(key)) << key;
+  }
+  EXPECT_EQ(config["architectures"][0], "LlamaForCausalLM");
+
+  // Stop at step 3 with a checkpoint, then resume: the same losses as the uninterrupted run.
+  const auto resumed = (root_ / "resumed").string();
+  result = run(train_command(2, resumed, "--stop-after 3"));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(metrics_of(resumed).size(), 3u);
+  result = run(train_command(2, resumed, "--resume-from latest"));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("resumed from"), std::string::npos) << result.output;
+  const auto continued = metrics_of(resumed);
+  ASSERT_EQ(continued.size(), 6u);
+  for (size_t step = 0; step < continued.size(); ++step) {
+    EXPECT_EQ(continued[step]["loss"].get<double>(), reference[step]["loss"].get<double>()) << "step " << step + 1;
+  }
+
+  // Merge the last checkpoint and evaluate it in one process: the eval loss the run reported.
+  std::string latest;
+  for (const auto& item : fs::directory_iterator(resumed + "/checkpoints")) {
+    if (latest.empty() || item.path().string() > latest) latest = item.path().string();
+  }
+  result = run(std::string(FSDP_CLI_PATH) + " merge-weights " + latest + "/pytorch_model_fsdp_0 " + resumed + "/merged");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  fs::copy_file(resumed + "/final/config.json", resumed + "/merged/config.json");
+  result = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + resumed + "/merged --data " +
+               (root_ / "eval.txt").string() + " --seq-len 32 --eval-tokens 2048");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NEAR(reported_eval_loss(result.output), trained_eval, 1e-5 * trained_eval) << result.output;
+
+  // The same global batch on 1 and 3 ranks: the same losses.
+  for (int ranks : {1, 3}) {
+    const auto directory = (root_ / ("ranks" + std::to_string(ranks))).string();
+    result = run(train_command(ranks, directory, ""));
+    ASSERT_EQ(result.exit_code, 0) << result.output;
+    const auto losses = metrics_of(directory);
+    ASSERT_EQ(losses.size(), reference.size());
+    for (size_t step = 0; step < losses.size(); ++step) {
+      const double expected = reference[step]["loss"].get<double>();
+      EXPECT_NEAR(losses[step]["loss"].get<double>(), expected, 1e-5 * expected) << ranks << " ranks, step " << step + 1;
+    }
+  }
+}
+
+TEST_F(TrainLlama, BadFlagsAreErrors) {
+  auto result = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("unknown model preset 'enormous'; choose tiny, small or medium"), std::string::npos)
+      << result.output;
+  result = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only");
+  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_NE(result.output.find("--eval-only needs --init-from"), std::string::npos) << result.output;
+  EXPECT_EQ(run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --no-such-flag").exit_code, 2);
+}
+
+}  // namespace
