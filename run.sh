@@ -24,7 +24,7 @@ echo "== 2/4 resume from the checkpoint and finish"
   "$bin/train_llama" --output-dir "$run_dir" --steps "$steps" --resume-from latest | tee "$run_dir/train.log"
 
 echo "== 3/4 merge the final sharded checkpoint"
-latest="$(ls -d "$run_dir"/checkpoints/checkpoint_* | sort -t_ -k2 -n | tail -1)"
+latest="$(ls -d "$run_dir"/checkpoints/checkpoint_* | sort -V | tail -1)"
 "$bin/fsdp" merge-weights "$latest/pytorch_model_fsdp_0" "$run_dir/merged"
 cp "$run_dir/final/config.json" "$run_dir/merged/config.json"
 

@@ -65,6 +65,10 @@ class Accelerator {
   class AccumulateScope {
    public:
     explicit AccumulateScope(Accelerator& accelerator);
+    /// Gradient sync is on again after the scope, as after Accelerate's no_sync.
+    ~AccumulateScope();
+    AccumulateScope(const AccumulateScope&) = delete;
+    AccumulateScope& operator=(const AccumulateScope&) = delete;
    private:
     Accelerator& accelerator_;
   };

@@ -142,6 +142,11 @@ Accelerator::AccumulateScope::AccumulateScope(Accelerator& accelerator) : accele
   if (auto unit = fsdp_module_of(*accelerator_.model_)) unit->set_requires_gradient_sync(accelerator_.sync_gradients_);
 }
 
+Accelerator::AccumulateScope::~AccumulateScope() {
+  if (!accelerator_.model_) return;
+  if (auto unit = fsdp_module_of(*accelerator_.model_)) unit->set_requires_gradient_sync(true);
+}
+
 void Accelerator::backward(const torch::Tensor& loss) {
   (gradient_accumulation_steps_ > 1 ? loss / static_cast<double>(gradient_accumulation_steps_) : loss).backward();
 }
@@ -187,6 +192,15 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
   if (is_main_process()) {
     try {
       fs::create_directories(directory);
+      // A previous save's files of another layout would be loaded instead (transformers prefers
+      // model.safetensors to an index).
+      for (const auto& item : fs::directory_iterator(directory)) {
+        const auto name = item.path().filename().string();
+        if (name == "model.safetensors" || name == "model.safetensors.index.json" || name == "pytorch_model.bin" ||
+            (name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos)) {
+          fs::remove(item.path());
+        }
+      }
       int64_t total = 0;
       for (const auto& [name, tensor] : state) total += tensor.numel() * tensor.element_size();
       if (!safe_serialization) {

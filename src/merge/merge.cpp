@@ -22,8 +22,19 @@ namespace fs = std::filesystem;
 constexpr int64_t kReadBufferBytes = 64 << 20;
 
 /// The input must be one sharded directory; a checkpoint root is the classic mistake.
+/// The directory itself, with a trailing slash or "." components removed.
+fs::path normalized(const std::string& directory) {
+  auto path = fs::path(directory).lexically_normal();
+  if (!path.has_filename()) path = path.parent_path();
+  return path;
+}
+
 void check_input(const std::string& checkpoint_dir) {
   TORCH_CHECK(fs::is_directory(checkpoint_dir), "merge: checkpoint directory '", checkpoint_dir, "' does not exist");
+  TORCH_CHECK(!fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.bin") &&
+                  !fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.safetensors"),
+              "merge: '", checkpoint_dir, "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "
+              "the full weights, so there is nothing to merge");
   if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
     std::vector<std::string> sharded;
     for (const auto& item : fs::directory_iterator(checkpoint_dir)) {
@@ -38,7 +49,7 @@ void check_input(const std::string& checkpoint_dir) {
                 ": it is not a sharded checkpoint directory, or its save did not finish");
   }
   // A directory written by save_checkpoint counts only once the whole checkpoint was marked complete.
-  const auto parent = fs::path(checkpoint_dir).lexically_normal().parent_path();
+  const auto parent = normalized(checkpoint_dir).parent_path();
   if (fs::exists(parent / "random_states_0.pkl") && !fs::exists(parent / "checkpoint_complete.json")) {
     TORCH_CHECK(false, "merge: checkpoint '", parent.string(), "' is incomplete (checkpoint_complete.json is missing: "
                 "its save did not finish on every rank); merge an earlier checkpoint");
@@ -108,8 +119,10 @@ int64_t parse_byte_size(const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  TORCH_CHECK(used == number.size() && !number.empty() && amount > 0 && std::isfinite(amount), "'", text,
-              "' is not a size; write a positive number with an optional unit, e.g. 5GB, 500MB, 2GiB or 1000000");
+  TORCH_CHECK(used == number.size() && !number.empty() && std::isfinite(amount) && amount * factor >= 1 &&
+                  amount * factor < 9.2e18,
+              "'", text, "' is not a size; write a number of at least 1 byte with an optional unit, e.g. 5GB, 500MB, "
+              "2GiB or 1000000");
   return static_cast<int64_t>(amount * factor);
 }
 
@@ -124,7 +137,8 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
 MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
                                const MergeOptions& options) {
   check_input(checkpoint_dir);
-  TORCH_CHECK(options.max_shard_size >= 0, "merge: max_shard_size must be positive (or 0 for one file)");
+  TORCH_CHECK(options.max_shard_size >= 0, "merge: max_shard_size must be positive (or 0 for one file), got ",
+              options.max_shard_size);
   TORCH_CHECK(options.safe_serialization || options.max_shard_size == 0,
               "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
   ShardedDirectoryReader reader(checkpoint_dir);
@@ -162,11 +176,35 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
   const std::string index_name = stem + ".safetensors.index.json";
   if (indexed) names.push_back(index_name);
 
-  fs::create_directories(output_path);
-  for (const auto& name : names) {
-    TORCH_CHECK(options.overwrite || !fs::exists(fs::path(output_path) / name), "merge: '",
-                (fs::path(output_path) / name).string(), "' already exists; choose another output directory or pass "
-                "--overwrite");
+  {
+    // An output inside the input would be deleted with it.
+    const auto input = fs::weakly_canonical(normalized(checkpoint_dir));
+    const auto output = fs::weakly_canonical(normalized(output_path));
+    const auto relative = output.lexically_relative(input);
+    TORCH_CHECK(!options.remove_checkpoint_dir || relative.empty() || *relative.begin() == "..", "merge: the output '",
+                output_path, "' is inside the checkpoint directory '", checkpoint_dir,
+                "', which --remove-checkpoint-dir would delete; write the output elsewhere");
+  }
+  try {
+    fs::create_directories(output_path);
+  } catch (const fs::filesystem_error& error) {
+    TORCH_CHECK(false, "merge: cannot create output directory '", output_path, "': ", error.code().message());
+  }
+  // Files of another layout would be loaded instead of ours (transformers prefers model.safetensors
+  // to an index): every file of any layout of this stem counts.
+  std::vector<std::string> stale;
+  for (const auto& item : fs::directory_iterator(output_path)) {
+    const auto name = item.path().filename().string();
+    const bool ours = name == stem + ".safetensors" || name == stem + ".safetensors.index.json" ||
+                      name == (optimizer ? "optimizer.bin" : "pytorch_model.bin") ||
+                      (name.rfind(stem + "-", 0) == 0 && name.find("-of-") != std::string::npos);
+    if (ours) stale.push_back(name);
+  }
+  if (!stale.empty() && !options.overwrite) {
+    std::string list;
+    for (const auto& name : stale) list += (list.empty() ? "" : ", ") + name;
+    TORCH_CHECK(false, "merge: '", output_path, "' already holds ", list,
+                "; choose another output directory or pass --overwrite (which replaces them)");
   }
   const auto staging = fs::path(output_path) / (".merge-" + std::to_string(::getpid()));
   fs::remove_all(staging);
@@ -235,7 +273,10 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
       }
       detail::write_file_atomically((staging / index_name).string(), index.dump(2));
     }
-    // Every file is complete and fsynced: move them into place.
+    // Every file is complete and fsynced: drop the previous layout's files, then move ours into place.
+    for (const auto& name : stale) {
+      if (std::find(names.begin(), names.end(), name) == names.end()) fs::remove(fs::path(output_path) / name);
+    }
     for (const auto& name : names) fs::rename(staging / name, fs::path(output_path) / name);
     fs::remove_all(staging);
   } catch (...) {
@@ -245,7 +286,13 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
   }
   result.bytes = total;
   for (const auto& name : names) result.files.push_back((fs::path(output_path) / name).string());
-  if (options.remove_checkpoint_dir) fs::remove_all(checkpoint_dir);
+  if (options.remove_checkpoint_dir) {
+    fs::remove_all(checkpoint_dir);
+    // The checkpoint lost a part: it must no longer count as complete.
+    const auto marker = normalized(checkpoint_dir).parent_path() / "checkpoint_complete.json";
+    if (fs::exists(marker)) fs::remove(marker);
+  }
+  if (options.progress && total == 0) options.progress(0, 0);
   return result;
 }
 

@@ -32,7 +32,8 @@ nlohmann::json required(const nlohmann::json& config, const char* key, const std
 
 void LlamaConfig::validate() const {
   TORCH_CHECK(vocab_size > 0 && hidden_size > 0 && intermediate_size > 0 && num_hidden_layers > 0,
-              "LlamaConfig: sizes must be positive");
+              "LlamaConfig: vocab_size, hidden_size, intermediate_size and num_hidden_layers must be positive, got ",
+              vocab_size, ", ", hidden_size, ", ", intermediate_size, ", ", num_hidden_layers);
   TORCH_CHECK(num_attention_heads > 0 && hidden_size % num_attention_heads == 0, "LlamaConfig: hidden_size ",
               hidden_size, " is not divisible by num_attention_heads ", num_attention_heads);
   TORCH_CHECK(head_dim() % 2 == 0, "LlamaConfig: head_dim ", head_dim(), " must be even for rotary embeddings");
@@ -82,11 +83,32 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
     result.intermediate_size = required(config, "intermediate_size", source).get<int64_t>();
     result.num_hidden_layers = required(config, "num_hidden_layers", source).get<int64_t>();
     result.num_attention_heads = required(config, "num_attention_heads", source).get<int64_t>();
+    // transformers' LlamaConfig defaults for fields a file leaves out.
     result.num_key_value_heads = config.value("num_key_value_heads", result.num_attention_heads);
-    result.max_position_embeddings = config.value("max_position_embeddings", result.max_position_embeddings);
-    result.rms_norm_eps = config.value("rms_norm_eps", result.rms_norm_eps);
-    result.rope_theta = config.value("rope_theta", result.rope_theta);
-    result.tie_word_embeddings = config.value("tie_word_embeddings", result.tie_word_embeddings);
+    result.max_position_embeddings = config.value("max_position_embeddings", int64_t{2048});
+    result.rms_norm_eps = config.value("rms_norm_eps", 1e-6);
+    result.rope_theta = config.value("rope_theta", 10000.0);
+    if (config.contains("rope_parameters") && config["rope_parameters"].is_object()) {
+      const auto& rope = config["rope_parameters"];
+      TORCH_CHECK(rope.value("rope_type", std::string("default")) == "default", "'", source, "' uses rope_type ",
+                  rope["rope_type"].dump(), "; only the default rotary embedding is implemented");
+      result.rope_theta = rope.value("rope_theta", result.rope_theta);
+    }
+    result.tie_word_embeddings = config.value("tie_word_embeddings", false);
+    // What this implementation does not compute is refused rather than silently ignored.
+    TORCH_CHECK(!config.contains("rope_scaling") || config["rope_scaling"].is_null(), "'", source,
+                "' sets rope_scaling ", config.contains("rope_scaling") ? config["rope_scaling"].dump() : "",
+                "; scaled rotary embeddings (e.g. Llama 3.1's) are not implemented");
+    TORCH_CHECK(!config.value("attention_bias", false) && !config.value("mlp_bias", false), "'", source,
+                "' enables attention_bias or mlp_bias; this Llama has no biases");
+    TORCH_CHECK(config.value("pretraining_tp", int64_t{1}) == 1, "'", source, "' sets pretraining_tp ",
+                config["pretraining_tp"].dump(), "; only 1 is implemented");
+    if (config.contains("head_dim") && !config["head_dim"].is_null()) {
+      TORCH_CHECK(config["head_dim"].get<int64_t>() * result.num_attention_heads == result.hidden_size, "'", source,
+                  "' sets head_dim ", config["head_dim"].dump(), ", but hidden_size / num_attention_heads is ",
+                  result.hidden_size / std::max<int64_t>(1, result.num_attention_heads),
+                  "; a separate head_dim is not implemented");
+    }
     TORCH_CHECK(config.value("hidden_act", std::string("silu")) == "silu", "'", source, "' uses hidden_act ",
                 config["hidden_act"].dump(), "; only silu (SwiGLU) is implemented");
   } catch (const nlohmann::json::exception& error) {

@@ -137,6 +137,7 @@ TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
 
   fs::rename(checkpoint + "/checkpoint_complete.json", checkpoint + "/marker.away");
   expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "is incomplete");
+  expect_error([&] { merge_fsdp_weights(model_dir + "/", root + "/out"); }, "is incomplete");
   fs::rename(checkpoint + "/marker.away", checkpoint + "/checkpoint_complete.json");
 
   fs::rename(model_dir + "/rank_00001.safetensors", model_dir + "/away");
@@ -159,7 +160,21 @@ TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
   }
 
   merge_fsdp_weights(model_dir, root + "/out");
-  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "already exists; choose another output");
+  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); },
+               "already holds model.safetensors; choose another output directory or pass --overwrite");
+  // Another layout's files count too: transformers would load model.safetensors before an index.
+  MergeOptions sharded_overwrite;
+  sharded_overwrite.max_shard_size = 600;
+  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out", sharded_overwrite); }, "already holds model.safetensors");
+  sharded_overwrite.overwrite = true;
+  merge_fsdp_weights(model_dir, root + "/out", sharded_overwrite);
+  EXPECT_FALSE(fs::exists(root + "/out/model.safetensors")) << "the replaced layout must be gone";
+  EXPECT_TRUE(fs::exists(root + "/out/model.safetensors.index.json"));
+
+  MergeOptions remove_into_input;
+  remove_into_input.remove_checkpoint_dir = true;
+  expect_error([&] { merge_fsdp_weights(model_dir, model_dir + "/merged", remove_into_input); },
+               "is inside the checkpoint directory");
 
   // A failure half-way (a full disk, here an injected error) leaves no output and keeps the input,
   // even when asked to remove it.

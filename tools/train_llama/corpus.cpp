@@ -3,6 +3,8 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -16,7 +18,7 @@ namespace fs = std::filesystem;
 
 std::string read_file(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
-  TORCH_CHECK(file, "cannot read data file '", path, "'");
+  TORCH_CHECK(file, "cannot read data file '", path, "': ", std::strerror(errno), "; check --data / --eval-data");
   std::stringstream text;
   text << file.rdbuf();
   return text.str();
@@ -56,7 +58,8 @@ std::string load_corpus(const std::string& path, int64_t minimum_bytes) {
     for (const auto& file : files) text += read_file(file.string());
     if (static_cast<int64_t>(text.size()) < minimum_bytes) text = generated_corpus(std::max<int64_t>(minimum_bytes, 200000));
   }
-  TORCH_CHECK(static_cast<int64_t>(text.size()) >= minimum_bytes, "data file '", path, "' has ", text.size(),
+  TORCH_CHECK(static_cast<int64_t>(text.size()) >= minimum_bytes, "data file '", path.empty() ? "(built-in corpus)" : path,
+              "' has ", text.size(),
               " bytes; at least ", minimum_bytes, " are needed (sequence length + 1). Use a longer text or --seq-len");
   return text;
 }

@@ -10,7 +10,11 @@
 #include <ATen/CPUGeneratorImpl.h>
 #include <torch/torch.h>
 
+#include <cerrno>
 #include <chrono>
+#include <cstring>
+#include <map>
+#include <set>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -57,7 +61,7 @@ struct Settings {
 
 std::string read_text(const std::string& path) {
   std::ifstream file(path);
-  TORCH_CHECK(file, "cannot read '", path, "'");
+  TORCH_CHECK(file, "cannot read '", path, "': ", std::strerror(errno));
   std::stringstream text;
   text << file.rdbuf();
   return text.str();
@@ -65,7 +69,7 @@ std::string read_text(const std::string& path) {
 
 void write_text(const std::string& path, const std::string& text) {
   std::ofstream file(path);
-  TORCH_CHECK(file, "cannot write '", path, "'");
+  TORCH_CHECK(file, "cannot write '", path, "': ", std::strerror(errno), "; check --output-dir");
   file << text;
 }
 
@@ -96,11 +100,37 @@ void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
     TORCH_CHECK(source.contains(item.key()), "'", directory, "' has no weight '", item.key(),
                 "' (it has ", source.size(), " tensors); is it a Llama checkpoint of this configuration?");
     const auto shape = source.shape(item.key());
-    TORCH_CHECK(at::IntArrayRef(shape) == item.value().sizes(), "'", directory, "': weight '", item.key(),
-                "' has another shape than config.json describes");
+    TORCH_CHECK(at::IntArrayRef(shape) == item.value().sizes(), "'", directory, "': weight '", item.key(), "' has shape ",
+                at::IntArrayRef(shape), " but config.json describes ", item.value().sizes());
     item.value().copy_(source.rows(item.key(), 0, shape.empty() ? 1 : shape[0]).reshape(shape));
     loaded.insert(item.value().unsafeGetTensorImpl());
   }
+  TORCH_CHECK(source.size() == loaded.size(), "'", directory, "' has ", source.size(), " tensors but the model takes ",
+              loaded.size(), " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a checkpoint of "
+              "this configuration");
+}
+
+/// Rank 0 loads the weights; every rank learns whether that worked before the next collective.
+void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory, const fsdp::DistributedContext& context) {
+  std::string error;
+  if (context.rank() == 0) {
+    try {
+      load_weights_into(model, directory);
+    } catch (const c10::Error& failure) {
+      error = failure.what_without_backtrace();
+    }
+  }
+  auto failed = torch::full({1}, error.empty() ? 0 : 1, torch::kLong);
+  fsdp::broadcast(context.world(), failed, 0);
+  TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
+}
+
+/// The settings a resumed run must share with the run that saved the checkpoint.
+std::map<std::string, double> resume_settings(const Settings& settings) {
+  return {{"steps", static_cast<double>(settings.steps)}, {"warmup_steps", static_cast<double>(settings.warmup_steps)},
+          {"lr", settings.lr}, {"min_lr", settings.min_lr}, {"seed", static_cast<double>(settings.seed)},
+          {"global_batch_size", static_cast<double>(settings.global_batch_size)},
+          {"seq_len", static_cast<double>(settings.seq_len)}};
 }
 
 /// The plugin for this job: the FSDP_* environment, with the job's defaults where it is silent.
@@ -171,7 +201,7 @@ int evaluate_only(const Settings& settings, const fsdp::DistributedContext& cont
                                              (fs::path(settings.init_from) / "config.json").string());
   torch::manual_seed(settings.seed);
   LlamaForCausalLM model(config);
-  if (context.rank() == 0) load_weights_into(model, settings.init_from);
+  load_weights_on_rank0(model, settings.init_from, context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
   options.fsdp_plugin->cpu_ram_efficient_loading = true;
@@ -205,6 +235,9 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   } else {
     eval_text = train_llama::load_corpus(settings.eval_data, settings.seq_len + 1);
   }
+  TORCH_CHECK(static_cast<int64_t>(eval_text.size()) >= settings.seq_len + 1, "the evaluation text has ", eval_text.size(),
+              " bytes, fewer than --seq-len + 1 = ", settings.seq_len + 1,
+              "; give a longer --data (its last tenth is held out) or an --eval-data file");
   const auto train_tokens = train_llama::bytes_to_tokens(corpus);
   const auto eval_tokens = train_llama::bytes_to_tokens(eval_text);
 
@@ -213,7 +246,7 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
   if (!settings.init_from.empty()) {
-    if (context.rank() == 0) load_weights_into(model, settings.init_from);
+    load_weights_on_rank0(model, settings.init_from, context);
     options.fsdp_plugin->cpu_ram_efficient_loading = true;
   }
   options.gradient_accumulation_steps = accumulation;
@@ -225,11 +258,20 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   accelerator.prepare(model, optimizer);
 
   int64_t start_step = 0;
+  double last_eval = std::nan("");
   if (!settings.resume_from.empty()) {
     const auto directory = settings.resume_from == "latest" ? accelerator.latest_checkpoint() : settings.resume_from;
     TORCH_CHECK(!directory.empty(), "--resume-from latest: no complete checkpoint in '", settings.output_dir,
                 "/checkpoints'");
-    start_step = accelerator.load_state(directory).step;
+    const auto progress = accelerator.load_state(directory);
+    start_step = progress.step;
+    for (const auto& [name, value] : resume_settings(settings)) {
+      auto saved = progress.scheduler.find(name);
+      TORCH_CHECK(saved == progress.scheduler.end() || saved->second == value, "--resume-from ", directory,
+                  ": the checkpoint was saved with --", name, " ", saved->second, " but this run has ", value,
+                  "; resume with the same settings so that data and schedule continue exactly");
+    }
+    if (progress.scheduler.count("eval_loss")) last_eval = progress.scheduler.at("eval_loss");
     accelerator.print("resumed from " + directory + " at step " + std::to_string(start_step));
   }
   const bool main = context.is_main_process();
@@ -242,7 +284,6 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     metrics.emplace((fs::path(settings.output_dir) / "metrics.jsonl").string(), start_step);
   }
   const auto run_start = std::chrono::steady_clock::now();
-  double last_eval = std::nan("");
   for (int64_t step = start_step + 1; step <= settings.steps; ++step) {
     const auto step_start = std::chrono::steady_clock::now();
     const double lr = learning_rate(settings, step);
@@ -290,7 +331,10 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     const bool checkpoint_now = (settings.checkpoint_every > 0 && step % settings.checkpoint_every == 0) ||
                                 step == settings.steps || step == settings.stop_after;
     if (checkpoint_now) {
-      const auto directory = accelerator.save_state(fsdp::TrainingProgress{step, step * settings.global_batch_size, {{"lr", lr}}});
+      auto scheduler = resume_settings(settings);
+      if (!std::isnan(last_eval)) scheduler["eval_loss"] = last_eval;
+      const auto directory =
+          accelerator.save_state(fsdp::TrainingProgress{step, step * settings.global_batch_size, scheduler});
       accelerator.print("saved checkpoint " + directory);
     }
     if (step == settings.stop_after) {

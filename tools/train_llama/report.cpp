@@ -4,7 +4,9 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <sstream>
 #include <sys/resource.h>
@@ -33,7 +35,7 @@ MetricsLog::MetricsLog(const std::string& path, int64_t resumed_step) : path_(pa
     }
   }
   std::ofstream rewrite(path, std::ios::trunc);
-  TORCH_CHECK(rewrite, "cannot write '", path, "'");
+  TORCH_CHECK(rewrite, "cannot write '", path, "': ", std::strerror(errno), "; check --output-dir");
   for (const auto& metrics : metrics_) {
     nlohmann::json value = {{"step", metrics.step}, {"loss", metrics.loss}, {"lr", metrics.lr},
                             {"grad_norm", metrics.grad_norm}, {"tokens_per_s", metrics.tokens_per_s},
