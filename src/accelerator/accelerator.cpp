@@ -15,6 +15,7 @@
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 
+#include "checkpoint/agreement.h"
 #include "config/text.h"
 #include "io/atomic_file.h"
 
@@ -188,9 +189,9 @@ TensorList Accelerator::get_state_dict() {
 
 void Accelerator::save_model(const std::string& directory, int64_t max_shard_size, bool safe_serialization) {
   auto state = get_state_dict();
-  std::string error;
-  if (is_main_process()) {
-    try {
+  // Every rank learns whether rank 0 managed to write the model.
+  detail::run_on_every_rank(context_, [&] {
+    if (is_main_process()) {
       fs::create_directories(directory);
       // A previous save's files of another layout would be loaded instead (transformers prefers
       // model.safetensors to an index).
@@ -232,15 +233,8 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
                                       "{\n  \"metadata\": {\"total_size\": " + std::to_string(total) +
                                           "},\n  \"weight_map\": {\n    " + weight_map + "\n  }\n}\n");
       }
-    } catch (const std::exception& failure) {
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
-      error = c10_error ? c10_error->what_without_backtrace() : failure.what();
     }
-  }
-  // Every rank learns whether rank 0 managed to write the model.
-  auto failed = at::full({1}, error.empty() ? 0 : 1, at::kLong);
-  broadcast(context_.world(), failed, 0);
-  TORCH_CHECK(failed.item<int64_t>() == 0, is_main_process() ? error : "rank 0 could not save the model to '" + directory + "'");
+  });
 }
 
 std::string Accelerator::save_state(const TrainingProgress& progress) {

@@ -50,4 +50,19 @@ void raise_if_any_rank_failed(const DistributedContext& context, const std::stri
   }
 }
 
+std::string message_of(const std::exception& error) {
+  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
+  return c10_error ? c10_error->what_without_backtrace() : error.what();
+}
+
+void run_on_every_rank(const DistributedContext& context, const std::function<void()>& step) {
+  std::string error;
+  try {
+    step();
+  } catch (const std::exception& failure) {
+    error = message_of(failure);
+  }
+  raise_if_any_rank_failed(context, error);
+}
+
 }  // namespace fsdp::detail

@@ -1,6 +1,8 @@
 // Private: collectives that keep ranks from waiting on each other forever when they disagree.
 #pragma once
 
+#include <exception>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -19,5 +21,12 @@ void agree_on_operation(const DistributedContext& context, const std::string& op
 /// Raises on every rank when any rank's `local_error` is non-empty (naming that rank), so one rank's
 /// missing file cannot leave the others blocked in the next collective.
 void raise_if_any_rank_failed(const DistributedContext& context, const std::string& local_error);
+
+/// Runs `step` (local work such as file I/O) on this rank, then raises on every rank if it failed on
+/// any of them. Collective.
+void run_on_every_rank(const DistributedContext& context, const std::function<void()>& step);
+
+/// An exception's message without a C++ backtrace.
+std::string message_of(const std::exception& error);
 
 }  // namespace fsdp::detail

@@ -38,21 +38,11 @@ std::string random_states_file(int64_t rank) { return "random_states_" + std::to
 
 std::string path_in(const std::string& directory, const std::string& name) { return (fs::path(directory) / name).string(); }
 
-std::string message_of(const std::exception& error) {
-  const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-  return c10_error ? c10_error->what_without_backtrace() : error.what();
-}
+using detail::message_of;
 
-/// Runs `step` on this rank and raises on every rank if it failed on any: local file work between
-/// collectives must never leave the other ranks waiting.
+// Local file work between collectives must never leave the other ranks waiting.
 void on_every_rank(const DistributedContext& context, const std::function<void()>& step) {
-  std::string error;
-  try {
-    step();
-  } catch (const std::exception& failure) {
-    error = message_of(failure);
-  }
-  detail::raise_if_any_rank_failed(context, error);
+  detail::run_on_every_rank(context, step);
 }
 
 std::string canonical(const std::string& directory) { return fs::absolute(directory).lexically_normal().string(); }

@@ -89,16 +89,9 @@ at::Tensor SafetensorsCheckpointSource::rows(const std::string& name, int64_t ro
 
 void load_pretrained_weights(torch::nn::Module& model, const DistributedContext& context, const std::string& path) {
   std::unique_ptr<SafetensorsCheckpointSource> source;
-  std::string error;
-  if (context.rank() == 0) {
-    try {
-      source = std::make_unique<SafetensorsCheckpointSource>(path);
-    } catch (const std::exception& failure) {
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&failure);
-      error = c10_error ? c10_error->what_without_backtrace() : failure.what();
-    }
-  }
-  detail::raise_if_any_rank_failed(context, error);
+  detail::run_on_every_rank(context, [&] {
+    if (context.rank() == 0) source = std::make_unique<SafetensorsCheckpointSource>(path);
+  });
   load_model_state_dict_from_rank0(model, context, source.get());
 }
 

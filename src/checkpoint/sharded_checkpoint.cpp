@@ -71,8 +71,7 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
     write_safetensors((std::filesystem::path(directory) / file).string(), local);
     report = chunks.dump();
   } catch (const std::exception& error) {
-    const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-    report = "ERROR:" + std::string(c10_error ? c10_error->what_without_backtrace() : error.what());
+    report = "ERROR:" + detail::message_of(error);
   }
   // Rank 0 learns every rank's chunks only after each has written its file, so the metadata never
   // describes a file that does not exist yet.
@@ -82,16 +81,9 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
       TORCH_CHECK(false, "writing sharded directory '", directory, "': rank ", other, " failed: ", all_chunks[other].substr(6));
     }
   }
-  std::string metadata_error;
-  if (rank == 0) {
-    try {
-      write_metadata(directory, tensors, all_chunks, context.world_size(), extra_json);
-    } catch (const std::exception& error) {
-      const auto* c10_error = dynamic_cast<const c10::Error*>(&error);
-      metadata_error = c10_error ? c10_error->what_without_backtrace() : error.what();
-    }
-  }
-  detail::raise_if_any_rank_failed(context, metadata_error);
+  detail::run_on_every_rank(context, [&] {
+    if (rank == 0) write_metadata(directory, tensors, all_chunks, context.world_size(), extra_json);
+  });
 }
 
 namespace {

@@ -11,6 +11,7 @@
 #include <fsdp/collectives.h>
 #include <fsdp/fully_shard.h>
 
+#include "checkpoint/agreement.h"
 #include "checkpoint/optimizer_state.h"
 #include "engine/param_group.h"
 
@@ -268,8 +269,7 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
         source->rows(name, 0, 0);  // a dtype libtorch cannot hold fails here, before any broadcast
       }
     } catch (const std::exception& error) {
-      problem = error.what();
-      if (const auto* c10_error = dynamic_cast<const c10::Error*>(&error)) problem = c10_error->what_without_backtrace();
+      problem = detail::message_of(error);
     }
   }
   auto length = at::full({1}, static_cast<int64_t>(problem.size()), at::kLong);

@@ -167,11 +167,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, CheckpointReshard,
 
 TEST(Checkpoint, HybridShardCheckpointsSaveOneCopyAndLoadBack) {
   const auto directory = testing::shared_temporary_directory();
-  testing::MultiRankOptions options;
-  options.environment_for_rank = [](int rank) {
-    return std::map<std::string, std::string>{
-        {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank % 2)}, {"GROUP_RANK", std::to_string(rank / 2)}};
-  };
+  const auto options = testing::simulated_machines(2);
   testing::run_on_ranks(
       4,
       [directory](const DistributedContext& context) {

@@ -65,11 +65,7 @@ TEST(DistributedContext, UnreachableMasterNamesAddressAndPort) {
 }
 
 TEST(DistributedContext, HybridGroupsOnTwoSimulatedMachines) {
-  testing::MultiRankOptions options;
-  options.environment_for_rank = [](int rank) {
-    return std::map<std::string, std::string>{
-        {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank % 2)}, {"GROUP_RANK", std::to_string(rank / 2)}};
-  };
+  const auto options = testing::simulated_machines(2);
   testing::run_on_ranks(
       4,
       [](const DistributedContext& context) {

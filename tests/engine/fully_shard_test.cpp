@@ -104,18 +104,12 @@ void run_parity(const DistributedContext& context, ShardingStrategy strategy) {
   FullyShardOptions options;
   options.sharding_strategy = strategy;
   {
-    torch::manual_seed(7);
-    testing::MlpStack reference;
-    torch::manual_seed(7);
-    testing::MlpStack sharded;
+    auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     shard_mlp(sharded, context, options);
     train_and_compare(context, sharded, reference, mlp_batch, mse, "MLP stack");
   }
   {
-    torch::manual_seed(8);
-    testing::TinyTransformer reference;
-    torch::manual_seed(8);
-    testing::TinyTransformer sharded;
+    auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(8);
     shard_transformer(sharded, context, options);
     train_and_compare(context, sharded, reference, token_batch, next_token_loss, "transformer");
   }
@@ -153,11 +147,7 @@ INSTANTIATE_TEST_SUITE_P(Strategies, FullyShardParity, ::testing::ValuesIn(parit
                          });
 
 TEST(FullyShard, HybridShardOnTwoSimulatedMachinesMatchesSingleProcess) {
-  testing::MultiRankOptions options;
-  options.environment_for_rank = [](int rank) {
-    return std::map<std::string, std::string>{
-        {"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", std::to_string(rank % 2)}, {"GROUP_RANK", std::to_string(rank / 2)}};
-  };
+  const auto options = testing::simulated_machines(2);
   testing::run_on_ranks(
       4,
       [](const DistributedContext& context) {
@@ -246,10 +236,7 @@ TEST(FullyShard, ShardGradOpKeepsParametersGatheredUntilBackward) {
 
 TEST(FullyShard, GradientAccumulationOverFourMicroStepsEqualsOneLargeBatch) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(7);
-    testing::MlpStack reference;
-    torch::manual_seed(7);
-    testing::MlpStack sharded;
+    auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     shard_mlp(sharded, context, {});
     auto root = *fsdp_module_of(*sharded);
     torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
@@ -284,10 +271,7 @@ TEST(FullyShard, GradientAccumulationOverFourMicroStepsEqualsOneLargeBatch) {
 TEST(FullyShard, ClipGradNormEqualsSingleProcessNorm) {
   testing::run_on_ranks(3, [](const DistributedContext& context) {
     for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
-      torch::manual_seed(9);
-      testing::TinyTransformer reference;
-      torch::manual_seed(9);
-      testing::TinyTransformer sharded;
+      auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(9);
       shard_transformer(sharded, context, {});
       torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
       torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
@@ -326,10 +310,7 @@ TORCH_MODULE(TwoBranches);
 
 TEST(FullyShard, UnusedParametersDoNotHangAndStayWithoutGradient) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(4);
-    TwoBranches reference;
-    torch::manual_seed(4);
-    TwoBranches sharded;
+    auto [reference, sharded] = testing::twin_models<TwoBranches>(4);
     fully_shard(sharded->first.ptr(), context);
     fully_shard(sharded->second->unused.ptr(), context);  // a unit that never runs
     fully_shard(sharded.ptr(), context);
@@ -383,10 +364,7 @@ TORCH_MODULE(AdaptedStack);
 
 TEST(FullyShard, FrozenParametersInAUnitWithTrainableOnesTrainLikeSingleProcess) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(5);
-    AdaptedStack reference;
-    torch::manual_seed(5);
-    AdaptedStack sharded;
+    auto [reference, sharded] = testing::twin_models<AdaptedStack>(5);
     fully_shard(sharded->first.ptr(), context);
     fully_shard(sharded.ptr(), context);
     train_and_compare(context, sharded, reference, mlp_batch, mse, "frozen base with adapter");
@@ -412,10 +390,7 @@ TORCH_MODULE(SharedBlockTwice);
 TEST(FullyShard, AUnitCalledTwicePerForwardTrainsLikeSingleProcess) {
   testing::run_on_ranks(3, [](const DistributedContext& context) {
     for (bool mixed_precision : {false, true}) {
-      torch::manual_seed(6);
-      SharedBlockTwice reference;
-      torch::manual_seed(6);
-      SharedBlockTwice sharded;
+      auto [reference, sharded] = testing::twin_models<SharedBlockTwice>(6);
       FullyShardOptions options;
       if (mixed_precision) {
         options.mixed_precision.param_dtype = torch::kBFloat16;
@@ -441,10 +416,7 @@ TEST(FullyShard, AUnitCalledTwicePerForwardTrainsLikeSingleProcess) {
 
 TEST(FullyShard, AStepWhoseBackwardThrowsDoesNotBreakTheNextStep) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(7);
-    testing::MlpStack reference;
-    torch::manual_seed(7);
-    testing::MlpStack sharded;
+    auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     shard_mlp(sharded, context, {});
     {
       auto [inputs, targets] = mlp_batch(0);
@@ -482,10 +454,7 @@ TORCH_MODULE(BranchesModel);
 
 TEST(FullyShard, RanksUsingDifferentParametersOfAUnitAgreeOnTheCollectives) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(8);
-    BranchesModel reference;
-    torch::manual_seed(8);
-    BranchesModel sharded;
+    auto [reference, sharded] = testing::twin_models<BranchesModel>(8);
     fully_shard(sharded->inner.ptr(), context);
     fully_shard(sharded.ptr(), context);
     auto [inputs, targets] = mlp_batch(0);
@@ -503,10 +472,7 @@ TEST(FullyShard, RanksUsingDifferentParametersOfAUnitAgreeOnTheCollectives) {
 
 TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(7);
-    testing::MlpStack reference;
-    torch::manual_seed(7);
-    testing::MlpStack sharded;
+    auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     FullyShardOptions options;
     options.mixed_precision.param_dtype = torch::kBFloat16;
     options.mixed_precision.reduce_dtype = torch::kFloat;
@@ -538,10 +504,7 @@ TEST(FullyShard, EvaluationWithoutGradFreesEveryUnitIncludingTheRoot) {
     for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
 
     // A tied output head outside the embedding's unit still sees the gathered weight.
-    torch::manual_seed(9);
-    testing::TinyTransformer reference;
-    torch::manual_seed(9);
-    testing::TinyTransformer sharded;
+    auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(9);
     shard_transformer(sharded, context, {});
     auto [tokens, unused] = token_batch(0);
     EXPECT_TRUE(tensors_close(fsdp::forward(sharded, tokens), reference->forward(tokens)));

@@ -11,6 +11,16 @@
 
 namespace fsdp::testing {
 
+/// Two models built from the same seed: one to shard and one to train in a single process.
+template <typename Model, typename... Args>
+std::pair<Model, Model> twin_models(uint64_t seed, const Args&... args) {
+  torch::manual_seed(seed);
+  Model reference(args...);
+  torch::manual_seed(seed);
+  Model sharded(args...);
+  return {reference, sharded};
+}
+
 /// The model's parameters without repeats (tied weights appear once), as Python's parameters().
 inline std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model) {
   std::vector<torch::Tensor> parameters;

@@ -60,6 +60,16 @@ std::string shared_temporary_directory() {
   return path.string();
 }
 
+MultiRankOptions simulated_machines(int ranks_per_machine) {
+  MultiRankOptions options;
+  options.environment_for_rank = [ranks_per_machine](int rank) {
+    return std::map<std::string, std::string>{{"LOCAL_WORLD_SIZE", std::to_string(ranks_per_machine)},
+                                              {"LOCAL_RANK", std::to_string(rank % ranks_per_machine)},
+                                              {"GROUP_RANK", std::to_string(rank / ranks_per_machine)}};
+  };
+  return options;
+}
+
 bool is_rank_process() { return std::getenv(kRankVariable) != nullptr; }
 
 void run_processes(int world_size, const std::function<void(int rank)>& body, const MultiRankOptions& options) {

@@ -31,6 +31,10 @@ struct MultiRankOptions {
 /// one after another; each rank process runs only the call it was started for.
 std::string shared_temporary_directory();
 
+/// Options under which the ranks look like machines of `ranks_per_machine` ranks each (LOCAL_RANK,
+/// LOCAL_WORLD_SIZE and GROUP_RANK as a launcher on each machine would set them).
+MultiRankOptions simulated_machines(int ranks_per_machine);
+
 /// True inside a rank process started by the harness.
 bool is_rank_process();
 
