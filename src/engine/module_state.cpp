@@ -77,7 +77,26 @@ void RootState::finish_backward() {
   for (auto it = groups_.rbegin(); it != groups_.rend(); ++it) {
     if ((*it)->needs_post_backward()) (*it)->post_backward();
   }
+  finish_reductions();
   end_iteration();
+}
+
+void RootState::track_reduction(std::shared_ptr<ParamGroup> group) {
+  constexpr size_t kMaxInFlight = 2;
+  reductions_in_flight_.push_back(std::move(group));
+  while (reductions_in_flight_.size() > kMaxInFlight) {
+    auto oldest = reductions_in_flight_.front();
+    reductions_in_flight_.pop_front();
+    oldest->finish_reduction();
+  }
+}
+
+void RootState::finish_reductions() {
+  while (!reductions_in_flight_.empty()) {
+    auto oldest = reductions_in_flight_.front();
+    reductions_in_flight_.pop_front();
+    oldest->finish_reduction();
+  }
 }
 
 void RootState::end_iteration(bool check) {
@@ -90,6 +109,12 @@ void RootState::end_iteration(bool check) {
   post_forward_order_.clear();
   // Every unit is restored before any error is raised, so a failed check leaves no unit behind.
   std::exception_ptr first_error;
+  try {
+    finish_reductions();
+  } catch (...) {
+    reductions_in_flight_.clear();
+    if (check) first_error = std::current_exception();  // an abandoned iteration's failure was already raised
+  }
   for (const auto& group : groups_) {
     try {
       group->end_iteration(check);

@@ -16,6 +16,7 @@
 // every unit of the tree, root included, when the root's forward returns.
 #pragma once
 
+#include <deque>
 #include <memory>
 #include <vector>
 
@@ -42,6 +43,10 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void finish_backward();
   /// Reshards every unit and puts the sharded gradients back (see ParamGroup::end_iteration).
   void end_iteration(bool check = true);
+  /// A unit issued its reduction; the oldest beyond two in flight is finished now.
+  void track_reduction(std::shared_ptr<ParamGroup> group);
+  /// Finishes every reduction in flight, in issue order.
+  void finish_reductions();
 
  private:
   std::shared_ptr<ParamGroup> root_;
@@ -50,6 +55,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   bool backward_started_ = false;
   bool final_callback_queued_ = false;
   std::vector<ParamGroup*> post_forward_order_;
+  std::deque<std::shared_ptr<ParamGroup>> reductions_in_flight_;
 };
 
 /// The tree state of `group`, deciding the root on first use (FSDP2's lazy init).

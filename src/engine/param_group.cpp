@@ -325,6 +325,8 @@ void ParamGroup::post_backward() {
 void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients,
                                   const std::vector<bool>& has_gradient) {
   if (trainable_count_ == 0) return;
+  // A second reduction of this unit in one backward (a unit used twice) adds to the first.
+  finish_reduction();
   const int64_t shard_size = shard_world_size();
   const int64_t replicate_size = replicate_group_ ? replicate_group_->size() : 1;
   // Sum with a divide before and after (FSDP1's factors) so that low-precision sums over many ranks
@@ -354,19 +356,41 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
     }
   }
   if (pre_divide != 1.0) reduce_scatter_input.div_(pre_divide);
-  at::Tensor reduce_scatter_output;
+  PendingReduction pending;
+  pending.input = reduce_scatter_input;
+  pending.post_divide = post_divide;
   if (shard_size > 1) {
-    reduce_scatter_output = at::empty({reduce_row_numel_}, reduce_scatter_input.options());
-    reduce_scatter(*shard_group_, reduce_scatter_output, reduce_scatter_input.view({-1}));
+    pending.output = at::empty({reduce_row_numel_}, reduce_scatter_input.options());
+    if (replicate_group_) {
+      reduce_scatter(*shard_group_, pending.output, reduce_scatter_input.view({-1}));
+      pending.work = all_reduce_async(*replicate_group_, pending.output);
+    } else {
+      pending.work = reduce_scatter_async(*shard_group_, pending.output, reduce_scatter_input.view({-1}));
+    }
   } else {
-    reduce_scatter_output = reduce_scatter_input.view({-1});
+    pending.output = reduce_scatter_input.view({-1});
+    if (replicate_group_) pending.work = all_reduce_async(*replicate_group_, pending.output);
   }
-  if (replicate_group_) all_reduce(*replicate_group_, reduce_scatter_output);
-  if (post_divide != 1.0) reduce_scatter_output.div_(post_divide);
+  reduction_in_flight_ = std::move(pending);
+  if (auto state = root_state()) {
+    state->track_reduction(shared_from_this());
+  } else {
+    finish_reduction();
+  }
+}
 
+void ParamGroup::finish_reduction() {
+  if (!reduction_in_flight_) return;
+  auto pending = std::move(*reduction_in_flight_);
+  reduction_in_flight_.reset();
+  at::NoGradGuard no_grad;
+  if (pending.work) pending.work->wait();
+  auto& reduce_scatter_output = pending.output;
+  if (pending.post_divide != 1.0) reduce_scatter_output.div_(pending.post_divide);
+  const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
   auto any_rank_had_gradient = reduce_scatter_output.narrow(0, flags_offset, trainable_count_).gt(0);
   auto flags = any_rank_had_gradient.accessor<bool, 1>();
-  trainable_index = 0;
+  int64_t trainable_index = 0;
   for (auto& parameter : parameters_) {
     if (!parameter.requires_grad) continue;
     // An own tensor, not a view of the reduce buffer: optimizers detach_() and zero_() gradients.

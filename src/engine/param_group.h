@@ -25,6 +25,7 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/collectives.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/shard_layout.h>
 
@@ -70,6 +71,19 @@ struct ShardedParameter {
 };
 
 class RootState;
+
+/// [Note: overlapping reductions]
+/// A unit's reduce-scatter (or NO_SHARD all-reduce) is issued asynchronously, so Gloo moves the bytes
+/// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
+/// most two reductions in flight (their buffers are the extra memory) and finishes them in issue
+/// order; the end of backward finishes the rest before the sharded gradients are put back.
+struct PendingReduction {
+  std::optional<CollectiveWork> work;
+  /// The collective's input, alive until it completes.
+  at::Tensor input;
+  at::Tensor output;
+  double post_divide = 1.0;
+};
 
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
@@ -118,8 +132,11 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// The gradient of one wrapped input arrived: the unit's backward for it is complete. When every
   /// wrapped input has reported, the unit's gradients are reduced (FSDP2's post-backward trigger).
   void on_input_gradient();
-  /// Reduces the gradients (or accumulates them while sync is off) and reshards.
+  /// Reduces the gradients (or accumulates them while sync is off) and reshards; the reduction may
+  /// still be in flight when it returns (see the note above).
   void post_backward();
+  /// Waits for this unit's reduction in flight, if any, and adds its result to the sharded gradients.
+  void finish_reduction();
   /// Whether the end-of-backward callback must still reduce this unit: it was used since its last
   /// reduction, or it was not reduced at all this iteration (every rank reduces every unit).
   bool needs_post_backward() const { return used_since_reduce_ || !reduced_this_iteration_; }
@@ -158,6 +175,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool used_since_reduce_ = false;
   bool reduced_this_iteration_ = false;
   int64_t pending_input_gradients_ = 0;
+  std::optional<PendingReduction> reduction_in_flight_;
 };
 
 }  // namespace fsdp::detail
