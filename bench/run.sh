@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Runs every benchmark side by side on this machine and rewrites the tables in bench/README.md
+# (between the <!-- results --> markers) with the machine, the date, the command and the raw numbers.
+#   bench/run.sh            full sizes, world sizes 2 and 4, 3 alternating rounds (medians reported)
+#   bench/run.sh --smoke    tiny sizes, 2 ranks, one round, README untouched (CI runs this)
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="${FSDP_BUILD_DIR:-$root/build}/bin"
+smoke=0
+[[ "${1:-}" == "--smoke" ]] && smoke=1
+results="$(mktemp -d)/results.jsonl"
+if (( smoke )); then
+  sizes=(--width 32 --hidden 64 --blocks 2 --batch 8 --steps 2); world_sizes=(2); rounds=1
+else
+  sizes=(--width 512 --hidden 2048 --blocks 8 --batch 64 --steps 10); world_sizes=(2 4); rounds="${BENCH_ROUNDS:-3}"
+fi
+for round in $(seq "$rounds"); do
+  for n in "${world_sizes[@]}"; do
+    # Peers alternate within a round so that machine noise hits them alike.
+    for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD; do
+      "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/step_bench" --strategy "$strategy" "${sizes[@]}" >> "$results"
+    done
+    "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- /usr/bin/python3 "$root/bench/ddp_peer.py" "${sizes[@]}" >> "$results"
+  done
+  OMP_NUM_THREADS=1 "$bin/step_bench" --strategy SINGLE "${sizes[@]}" >> "$results"
+done
+if (( smoke )); then
+  "$bin/merge_bench" --bytes 64MB >> "$results"
+else
+  "$bin/merge_bench" --bytes 1GB >> "$results"
+fi
+/usr/bin/python3 "$root/bench/report.py" "$results" "$root/bench/README.md" "$smoke" "bench/run.sh $*"
