@@ -44,6 +44,21 @@ def main():
         lines.append(f"| 1 | single process, whole batch (compute floor) | {median('median_step_s', 'SINGLE', 1):.3f} | | | | "
                      f"{median('model_state_bytes_per_rank', 'SINGLE', 1) / 1e6:.1f} MB | | "
                      f"{median('peak_rss_mb', 'SINGLE', 1):.0f} |")
+    collectives = [row for row in rows if row["benchmark"] == "collectives"]
+    if collectives:
+        lines += ["", "| ranks | buffer | our all-gather (s) | our reduce-scatter (s) | Gloo all-reduce (s) | all-gather / all-reduce |",
+                  "|---|---|---|---|---|---|"]
+        for row in collectives:
+            lines.append(f"| {row['world_size']} | {row['bytes'] / 1e6:.0f} MB | {row['all_gather_s']:.4f} | "
+                         f"{row['reduce_scatter_s']:.4f} | {row['all_reduce_s']:.4f} | "
+                         f"{row['all_gather_s'] / row['all_reduce_s']:.2f} |")
+    checkpoints = [row for row in rows if row["benchmark"] == "sharded_checkpoint"]
+    if checkpoints:
+        lines += ["", "| ranks | checkpoint | SHARDED save, fsynced (s) | load of own rows (s) | cp + sync (s) | save / cp |",
+                  "|---|---|---|---|---|---|"]
+        for row in checkpoints:
+            lines.append(f"| {row['world_size']} | {row['bytes'] / 1e6:.0f} MB | {row['save_s']:.4f} | {row['load_s']:.4f} | "
+                         f"{row['cp_fsync_s']:.4f} | {row['save_s'] / row['cp_fsync_s']:.2f} |")
     for row in merge:
         lines += ["", f"merge of {row['bytes'] / 1e9:.2f} GB: {row['merge_seconds']:.2f} s; cp {row['cp_seconds']:.2f} s, "
                       f"cp + sync {row['cp_fsync_seconds']:.2f} s (ratio {row['ratio_to_cp_fsync']:.2f}); "

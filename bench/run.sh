@@ -24,6 +24,9 @@ for round in $(seq "$rounds"); do
   done
   OMP_NUM_THREADS=1 "$bin/step_bench" --strategy SINGLE "${sizes[@]}" >> "$results"
 done
+for n in "${world_sizes[@]}"; do
+  "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/collective_bench" --megabytes "$(( smoke ? 4 : 64 ))" >> "$results"
+done
 if (( smoke )); then
   "$bin/merge_bench" --bytes 64MB >> "$results"
 else
