@@ -14,6 +14,19 @@
 
 namespace train_llama {
 
+namespace {
+
+/// One metrics.jsonl line.
+std::string metrics_line(const StepMetrics& metrics) {
+  nlohmann::json value = {{"step", metrics.step}, {"loss", metrics.loss}, {"lr", metrics.lr},
+                          {"grad_norm", metrics.grad_norm}, {"tokens_per_s", metrics.tokens_per_s},
+                          {"peak_rss_mb", metrics.peak_rss_mb}};
+  if (metrics.eval_loss) value["eval_loss"] = *metrics.eval_loss;
+  return value.dump();
+}
+
+}  // namespace
+
 MetricsLog::MetricsLog(const std::string& path, int64_t resumed_step) : path_(path) {
   std::ifstream existing(path);
   std::string line;
@@ -36,23 +49,13 @@ MetricsLog::MetricsLog(const std::string& path, int64_t resumed_step) : path_(pa
   }
   std::ofstream rewrite(path, std::ios::trunc);
   TORCH_CHECK(rewrite, "cannot write '", path, "': ", std::strerror(errno), "; check --output-dir");
-  for (const auto& metrics : metrics_) {
-    nlohmann::json value = {{"step", metrics.step}, {"loss", metrics.loss}, {"lr", metrics.lr},
-                            {"grad_norm", metrics.grad_norm}, {"tokens_per_s", metrics.tokens_per_s},
-                            {"peak_rss_mb", metrics.peak_rss_mb}};
-    if (metrics.eval_loss) value["eval_loss"] = *metrics.eval_loss;
-    rewrite << value.dump() << "\n";
-  }
+  for (const auto& metrics : metrics_) rewrite << metrics_line(metrics) << "\n";
 }
 
 void MetricsLog::append(const StepMetrics& metrics) {
   metrics_.push_back(metrics);
-  nlohmann::json value = {{"step", metrics.step}, {"loss", metrics.loss}, {"lr", metrics.lr},
-                          {"grad_norm", metrics.grad_norm}, {"tokens_per_s", metrics.tokens_per_s},
-                          {"peak_rss_mb", metrics.peak_rss_mb}};
-  if (metrics.eval_loss) value["eval_loss"] = *metrics.eval_loss;
   std::ofstream file(path_, std::ios::app);
-  file << value.dump() << "\n";
+  file << metrics_line(metrics) << "\n";
 }
 
 void write_loss_curve(const std::string& path, const std::vector<StepMetrics>& metrics) {
