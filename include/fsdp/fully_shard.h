@@ -133,7 +133,7 @@ std::shared_ptr<ParamGroup> find_param_group(const torch::nn::Module* module);
 void run_pre_forward(ParamGroup& group);
 /// Casts a floating input to param_dtype and, when it requires grad, routes it through the function
 /// whose backward tells the unit that its backward is done.
-at::Tensor cast_forward_input(ParamGroup& group, const at::Tensor& input);
+at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input);
 void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs);
 
 template <typename T>
@@ -166,9 +166,9 @@ void collect_outputs(std::tuple<T...>& value, std::vector<at::Tensor*>& out) {
 }
 
 template <typename T>
-decltype(auto) cast_input(ParamGroup& group, T&& value) {
+decltype(auto) prepare_input(ParamGroup& group, T&& value) {
   if constexpr (std::is_same_v<std::decay_t<T>, at::Tensor>) {
-    return cast_forward_input(group, value);
+    return prepare_forward_input(group, value);
   } else {
     return std::forward<T>(value);
   }
@@ -185,7 +185,7 @@ auto forward(Holder& module, Args&&... args) {
   auto group = detail::find_param_group(module.get());
   if (!group) return module->forward(std::forward<Args>(args)...);
   detail::run_pre_forward(*group);
-  auto output = module->forward(detail::cast_input(*group, std::forward<Args>(args))...);
+  auto output = module->forward(detail::prepare_input(*group, std::forward<Args>(args))...);
   std::vector<at::Tensor*> outputs;
   detail::collect_outputs(output, outputs);
   detail::run_post_forward(*group, outputs);

@@ -1,6 +1,7 @@
 #include <fsdp/accelerator.h>
 
 #include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <filesystem>
@@ -220,18 +221,17 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
           shards.back().push_back(item);
           shard_bytes += bytes;
         }
-        std::string weight_map;
-        for (size_t index = 0; index < shards.size(); ++index) {
+        // The same index layout merge_fsdp_weights writes, names escaped by the JSON library.
+        nlohmann::json index;
+        index["metadata"] = {{"total_size", total}};
+        index["weight_map"] = nlohmann::json::object();
+        for (size_t position = 0; position < shards.size(); ++position) {
           char name[64];
-          std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", index + 1, shards.size());
-          write_safetensors((fs::path(directory) / name).string(), shards[index]);
-          for (const auto& item : shards[index]) {
-            weight_map += std::string(weight_map.empty() ? "" : ",\n    ") + "\"" + item.first + "\": \"" + name + "\"";
-          }
+          std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", position + 1, shards.size());
+          write_safetensors((fs::path(directory) / name).string(), shards[position]);
+          for (const auto& item : shards[position]) index["weight_map"][item.first] = name;
         }
-        detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
-                                      "{\n  \"metadata\": {\"total_size\": " + std::to_string(total) +
-                                          "},\n  \"weight_map\": {\n    " + weight_map + "\n  }\n}\n");
+        detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(), index.dump(2));
       }
     }
   });

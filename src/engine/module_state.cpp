@@ -168,7 +168,7 @@ void run_pre_forward(ParamGroup& group) {
   group.pre_forward(grad_enabled);
 }
 
-at::Tensor cast_forward_input(ParamGroup& group, const at::Tensor& input) {
+at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input) {
   if (!input.defined()) return input;
   at::Tensor result = input;
   const auto& policy = group.options().mixed_precision;

@@ -96,6 +96,18 @@ TEST(AcceleratorState, SaveStateAndLoadStateUseThePluginsLayout) {
     EXPECT_EQ(progress.data_position, 60);
     const auto after = testing::full_parameters(*model);
     for (const auto& [name, tensor] : before) EXPECT_TRUE(torch::equal(after.at(name), tensor)) << name;
+
+    // save_model in Hugging Face shards: the index maps every tensor to the file that holds it.
+    accelerator.save_model(directory + "/hf", /*max_shard_size=*/500);
+    if (context.rank() == 0) {
+      EXPECT_TRUE(fs::exists(fs::path(directory) / "hf" / "model.safetensors.index.json"));
+      SafetensorsCheckpointSource saved(directory + "/hf");
+      EXPECT_EQ(saved.size(), testing::unique_parameters(*model).size());
+      for (const auto& [name, tensor] : before) {
+        if (!saved.contains(name)) continue;  // the tied lm_head is stored once, under the embedding's name
+        EXPECT_TRUE(torch::equal(saved.rows(name, 0, tensor.size(0)), tensor)) << name;
+      }
+    }
   });
 }
 
