@@ -63,6 +63,14 @@ struct FullyShardOptions {
   /// Broadcast every managed parameter and buffer from rank 0 before sharding, so ranks that
   /// initialized differently start identical (FSDP1's sync_module_states). Default: false.
   bool sync_module_states = false;
+  /// Overlap each unit's all-gather with the compute before it: in forward the unit that ran next in
+  /// the previous forward, in backward the unit before it in forward order (FSDP2's default backward
+  /// prefetch), is all-gathered while the current one computes. FSDP2 gets the same overlap on CUDA
+  /// from its streams; on CPU it must be issued explicitly. Costs one more unit's unsharded
+  /// parameters at peak. The root's setting applies to its whole tree; explicit lists from
+  /// FSDPModule::set_modules_to_forward_prefetch / _backward_prefetch replace it for their unit.
+  /// Default: true.
+  bool implicit_prefetch = true;
 };
 
 /// Throws c10::Error naming the field when the options cannot work.
@@ -89,8 +97,10 @@ class FSDPModule {
   explicit FSDPModule(std::shared_ptr<detail::ParamGroup> group);
   /// The module the unit was created for (the first one when several were given).
   std::shared_ptr<torch::nn::Module> module() const;
-  /// All-gather the parameters now (e.g. for evaluation code that bypasses fsdp::forward).
-  void unshard() const;
+  /// All-gather the parameters now (e.g. for evaluation code that bypasses fsdp::forward). With
+  /// `async_op` the all-gather is only issued; wait_for_unshard (or the unit's next use) completes it.
+  void unshard(bool async_op = false) const;
+  void wait_for_unshard() const;
   /// Free the unsharded parameters; the parameters become the local shards again.
   void reshard() const;
   /// Gradient accumulation: while false, backward keeps unsharded gradients locally and the first
@@ -98,6 +108,11 @@ class FSDPModule {
   /// inside this one too.
   void set_requires_gradient_sync(bool requires_sync, bool recurse = true) const;
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true) const;
+  /// FSDP2's explicit prefetching: these units are all-gathered, in this order, right after this
+  /// unit's own all-gather is issued in forward (resp. backward). Every rank must set the same lists.
+  /// An empty list turns prefetching off for this unit.
+  void set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const;
+  void set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) const;
   /// Whether this unit is the root of its tree (known after the first forward or `lazy_init`).
   bool is_root() const;
   /// Decides the root of this unit's tree now instead of at the first forward.

@@ -28,6 +28,9 @@ struct ProcessGroupState {
   std::chrono::milliseconds timeout{0};
   /// Null for a group of one rank: its collectives are local copies.
   std::shared_ptr<BackendGroup> backend;
+  /// Slot of the next point-to-point exchange; every member issues collectives in the same order, so
+  /// the counters agree without communication. Gloo's own collectives use prefixed slots, never these.
+  std::atomic<uint32_t> next_exchange_tag{0};
 
   // Bytes this rank handed to the transport, per collective kind.
   std::atomic<int64_t> bytes_all_gather{0};

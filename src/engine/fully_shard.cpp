@@ -54,7 +54,27 @@ std::shared_ptr<torch::nn::Module> FSDPModule::module() const {
   return module;
 }
 
-void FSDPModule::unshard() const { group_->unshard(); }
+void FSDPModule::unshard(bool async_op) const { group_->unshard(async_op); }
+
+void FSDPModule::wait_for_unshard() const { group_->wait_for_unshard(); }
+
+namespace {
+
+std::vector<std::weak_ptr<detail::ParamGroup>> prefetch_list(const std::vector<FSDPModule>& modules) {
+  std::vector<std::weak_ptr<detail::ParamGroup>> targets;
+  for (const auto& module : modules) targets.push_back(module.group().shared_from_this());
+  return targets;
+}
+
+}  // namespace
+
+void FSDPModule::set_modules_to_forward_prefetch(const std::vector<FSDPModule>& modules) const {
+  group_->set_forward_prefetch(prefetch_list(modules));
+}
+
+void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>& modules) const {
+  group_->set_backward_prefetch(prefetch_list(modules));
+}
 
 void FSDPModule::reshard() const {
   auto state = group_->root_state();

@@ -57,7 +57,49 @@ void RootState::begin_iteration() {
   iteration_active_ = true;
 }
 
-void RootState::record_post_forward(ParamGroup* group) { post_forward_order_.push_back(group); }
+void RootState::record_post_forward(ParamGroup* group) {
+  group->post_forward_indices().push_back(post_forward_order_.size());
+  post_forward_order_.push_back(group);
+}
+
+namespace {
+
+std::vector<std::shared_ptr<ParamGroup>> lock_all(const std::vector<std::weak_ptr<ParamGroup>>& targets) {
+  std::vector<std::shared_ptr<ParamGroup>> locked;
+  for (const auto& target : targets) {
+    if (auto group = target.lock()) locked.push_back(std::move(group));
+  }
+  return locked;
+}
+
+}  // namespace
+
+std::vector<std::shared_ptr<ParamGroup>> RootState::forward_prefetch_targets(ParamGroup& group) {
+  if (group.is_root()) {
+    previous_forward_order_ = std::move(forward_order_);
+    forward_order_.clear();
+  }
+  const size_t position = forward_order_.size();
+  forward_order_.push_back(&group);
+  if (group.has_explicit_forward_prefetch()) return lock_all(group.forward_prefetch());
+  if (!root_->options().implicit_prefetch) return {};
+  if (position + 1 >= previous_forward_order_.size() || previous_forward_order_[position] != &group) return {};
+  ParamGroup* next = previous_forward_order_[position + 1];
+  if (next == &group) return {};
+  return {next->shared_from_this()};
+}
+
+std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(ParamGroup& group) {
+  auto& indices = group.post_forward_indices();
+  const bool has_index = !indices.empty();
+  const size_t index = has_index ? indices.back() : 0;
+  if (has_index) indices.pop_back();
+  if (group.has_explicit_backward_prefetch()) return lock_all(group.backward_prefetch());
+  if (!root_->options().implicit_prefetch || !has_index || index == 0) return {};
+  ParamGroup* previous = post_forward_order_[index - 1];
+  if (previous == &group) return {};
+  return {previous->shared_from_this()};
+}
 
 void RootState::on_backward_hook() {
   if (!iteration_active_) begin_iteration();
@@ -165,7 +207,7 @@ void run_pre_forward(ParamGroup& group) {
   auto root_state = ensure_root_state(group);
   const bool grad_enabled = c10::GradMode::is_enabled();
   if (grad_enabled) root_state->begin_iteration();
-  group.pre_forward(grad_enabled);
+  group.pre_forward(grad_enabled, root_state->forward_prefetch_targets(group));
 }
 
 at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input) {

@@ -12,7 +12,16 @@
 // the unit's outputs all-gather it again before its backward and queue, once, a callback on the
 // autograd engine; when backward finishes it reduces the units still pending (those whose inputs did
 // not require grad, and units nobody forwarded) in reverse forward order and then in reverse creation
-// order, reshards everything and puts the sharded gradients back. A forward without grad mode frees
+// order, reshards everything and puts the sharded gradients back.
+//
+// [Note: prefetch]
+// On CUDA, FSDP2 overlaps the next unit's all-gather with the current unit's compute because the CPU
+// runs ahead of the GPU streams ("implicit prefetch"). On CPU nothing runs ahead, so the overlap is
+// made explicit: a unit issues its own all-gather, then the next unit's (forward: the one that ran
+// after it in the previous forward; backward: FSDP2's default, the unit before it in post-forward
+// order), and only then waits for its own. Collectives must be issued in the same order on every
+// rank; both choices depend only on the sequence of units run, which every rank shares anyway. A
+// mistargeted prefetch costs one all-gather and is resharded at the end of the iteration. A forward without grad mode frees
 // every unit of the tree, root included, when the root's forward returns.
 #pragma once
 
@@ -36,6 +45,13 @@ class RootState : public std::enable_shared_from_this<RootState> {
   /// finished (it threw) is abandoned first, so one failed step cannot break the next.
   void begin_iteration();
   void record_post_forward(ParamGroup* group);
+  /// Units to all-gather while `group` computes its forward: its explicit list, or else (implicit
+  /// prefetch) the unit that followed it in the previous forward, if this forward has run the same
+  /// units so far. Records `group` in this forward's order.
+  std::vector<std::shared_ptr<ParamGroup>> forward_prefetch_targets(ParamGroup& group);
+  /// Units to all-gather while `group` computes its backward: its explicit list, or else the unit
+  /// whose forward finished just before this one's (FSDP2's default backward prefetch).
+  std::vector<std::shared_ptr<ParamGroup>> backward_prefetch_targets(ParamGroup& group);
   /// Called by every pre-backward hook: starts the iteration if a second backward reuses a graph and
   /// queues the end-of-backward callback once.
   void on_backward_hook();
@@ -55,6 +71,9 @@ class RootState : public std::enable_shared_from_this<RootState> {
   bool backward_started_ = false;
   bool final_callback_queued_ = false;
   std::vector<ParamGroup*> post_forward_order_;
+  /// Pre-forward order of the forward in progress and of the one before it (see forward_prefetch_targets).
+  std::vector<ParamGroup*> forward_order_;
+  std::vector<ParamGroup*> previous_forward_order_;
   std::deque<std::shared_ptr<ParamGroup>> reductions_in_flight_;
 };
 

@@ -176,42 +176,69 @@ void ParamGroup::refresh_trainable_parameters() {
   reduce_row_numel_ = flat.numel + trainable_count_;
 }
 
-void ParamGroup::unshard() {
+void ParamGroup::unshard(bool async_op) {
   if (sharded_state_ == ShardedState::kUnsharded) return;
-  if (!unshard_is_identity_) {
-    at::NoGradGuard no_grad;
-    allocate_storage(unsharded_buffer_, std::max<int64_t>(unsharded_buffer_bytes_, 1));
-    const int64_t shard_size = shard_world_size();
-    if (shard_size == 1) {
-      for (auto& parameter : parameters_) {
-        parameter.unsharded_data.copy_(parameter.sharded_padded.view(parameter.layout.unsharded_sizes));
-      }
-    } else {
-      auto all_gather_input = at::empty({all_gather_row_bytes_}, at::TensorOptions().dtype(at::kByte));
-      for (const auto& parameter : parameters_) {
-        const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
-        all_gather_input.narrow(0, parameter.all_gather_offset_bytes, bytes)
-            .view(parameter.compute_dtype)
-            .copy_(parameter.sharded_padded);
-      }
-      auto all_gather_output = at::empty({shard_size * all_gather_row_bytes_}, all_gather_input.options());
-      all_gather(*shard_group_, all_gather_output, all_gather_input);
-      auto rows = all_gather_output.view({shard_size, all_gather_row_bytes_});
-      for (const auto& parameter : parameters_) {
-        const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
-        if (bytes == 0) continue;
-        // Row r holds rank r's padded shard, so the region becomes the dim-0-padded full tensor.
-        unsharded_buffer_.narrow(0, parameter.unsharded_offset_bytes, shard_size * bytes)
-            .view({shard_size, bytes})
-            .copy_(rows.narrow(1, parameter.all_gather_offset_bytes, bytes));
-      }
-    }
-    for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.unsharded_data);
+  if (unshard_in_flight_) {
+    if (!async_op) wait_for_unshard();
+    return;
   }
+  if (unshard_is_identity_) {
+    sharded_state_ = ShardedState::kUnsharded;
+    return;
+  }
+  at::NoGradGuard no_grad;
+  allocate_storage(unsharded_buffer_, std::max<int64_t>(unsharded_buffer_bytes_, 1));
+  const int64_t shard_size = shard_world_size();
+  if (shard_size == 1) {
+    // A cast only (mixed precision without sharding): nothing to overlap.
+    for (auto& parameter : parameters_) {
+      parameter.unsharded_data.copy_(parameter.sharded_padded.view(parameter.layout.unsharded_sizes));
+      parameter.parameter.set_data(parameter.unsharded_data);
+    }
+    sharded_state_ = ShardedState::kUnsharded;
+    return;
+  }
+  PendingUnshard pending;
+  pending.input = at::empty({all_gather_row_bytes_}, at::TensorOptions().dtype(at::kByte));
+  for (const auto& parameter : parameters_) {
+    const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
+    pending.input.narrow(0, parameter.all_gather_offset_bytes, bytes)
+        .view(parameter.compute_dtype)
+        .copy_(parameter.sharded_padded);
+  }
+  pending.output = at::empty({shard_size * all_gather_row_bytes_}, pending.input.options());
+  pending.work = all_gather_async(*shard_group_, pending.output, pending.input);
+  unshard_in_flight_ = std::move(pending);
+  if (!async_op) wait_for_unshard();
+}
+
+void ParamGroup::wait_for_unshard() {
+  if (!unshard_in_flight_) return;
+  auto pending = std::move(*unshard_in_flight_);
+  unshard_in_flight_.reset();
+  at::NoGradGuard no_grad;
+  try {
+    pending.work.wait();
+  } catch (...) {
+    free_storage(unsharded_buffer_);
+    throw;
+  }
+  const int64_t shard_size = shard_world_size();
+  auto rows = pending.output.view({shard_size, all_gather_row_bytes_});
+  for (const auto& parameter : parameters_) {
+    const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
+    if (bytes == 0) continue;
+    // Row r holds rank r's padded shard, so the region becomes the dim-0-padded full tensor.
+    unsharded_buffer_.narrow(0, parameter.unsharded_offset_bytes, shard_size * bytes)
+        .view({shard_size, bytes})
+        .copy_(rows.narrow(1, parameter.all_gather_offset_bytes, bytes));
+  }
+  for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.unsharded_data);
   sharded_state_ = ShardedState::kUnsharded;
 }
 
 void ParamGroup::reshard() {
+  wait_for_unshard();
   if (sharded_state_ == ShardedState::kSharded) return;
   if (!unshard_is_identity_) {
     for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.sharded_data);
@@ -220,8 +247,10 @@ void ParamGroup::reshard() {
   sharded_state_ = ShardedState::kSharded;
 }
 
-void ParamGroup::pre_forward(bool grad_enabled) {
-  unshard();
+void ParamGroup::pre_forward(bool grad_enabled, const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets) {
+  unshard(/*async_op=*/true);
+  for (const auto& target : prefetch_targets) target->unshard(/*async_op=*/true);
+  wait_for_unshard();
   if (grad_enabled) used_since_reduce_ = true;
 }
 
@@ -232,8 +261,14 @@ void ParamGroup::post_forward(bool grad_enabled) {
 }
 
 void ParamGroup::pre_backward() {
-  if (auto state = root_state()) state->on_backward_hook();
-  unshard();
+  auto state = root_state();
+  if (state) state->on_backward_hook();
+  unshard(/*async_op=*/true);
+  if (state && !backward_prefetch_done_) {
+    backward_prefetch_done_ = true;
+    for (const auto& target : state->backward_prefetch_targets(*this)) target->unshard(/*async_op=*/true);
+  }
+  wait_for_unshard();
   used_since_reduce_ = true;
 }
 
@@ -252,6 +287,8 @@ void ParamGroup::begin_iteration() {
   used_since_reduce_ = false;
   reduced_this_iteration_ = false;
   pending_input_gradients_ = 0;
+  post_forward_indices_.clear();
+  backward_prefetch_done_ = false;
   iteration_active_ = true;
 }
 
@@ -278,6 +315,7 @@ void ParamGroup::end_iteration(bool check) {
 
 void ParamGroup::post_backward() {
   used_since_reduce_ = false;
+  backward_prefetch_done_ = false;
   reduced_this_iteration_ = true;
   pending_input_gradients_ = 0;
   at::NoGradGuard no_grad;

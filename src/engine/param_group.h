@@ -85,6 +85,14 @@ struct PendingReduction {
   double post_divide = 1.0;
 };
 
+/// An all-gather in flight (FSDP2's all-gather result before copy-out): the unit's parameters still
+/// point at their shards until wait_for_unshard copies the rows out and switches them.
+struct PendingUnshard {
+  CollectiveWork work;
+  at::Tensor input;
+  at::Tensor output;
+};
+
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
   ParamGroup(std::vector<std::shared_ptr<torch::nn::Module>> modules, const DistributedContext& context,
@@ -118,13 +126,38 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// Bytes the unsharded buffer holds now (0 while sharded, or for units that never need one).
   int64_t unsharded_buffer_bytes() const;
 
-  /// All-gathers the parameters (a no-op when already unsharded).
-  void unshard();
-  /// Points the parameters back at their shards and frees the unsharded buffer.
+  /// All-gathers the parameters (a no-op when already unsharded). With `async_op` the all-gather is
+  /// only issued, so Gloo moves the bytes while the caller computes (prefetch); wait_for_unshard, or
+  /// any use of the unit, completes it.
+  void unshard(bool async_op = false);
+  void wait_for_unshard();
+  /// Whether an all-gather was issued and not yet waited for.
+  bool unshard_in_flight() const { return unshard_in_flight_.has_value(); }
+  /// Points the parameters back at their shards and frees the unsharded buffer (after completing an
+  /// all-gather in flight: every rank issued it, so every rank must finish it).
   void reshard();
 
+  /// Explicit prefetch targets (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch). When
+  /// set they replace the implicit choice made by RootState for this unit.
+  void set_forward_prefetch(std::vector<std::weak_ptr<ParamGroup>> targets) {
+    forward_prefetch_ = std::move(targets);
+    has_explicit_forward_prefetch_ = true;
+  }
+  void set_backward_prefetch(std::vector<std::weak_ptr<ParamGroup>> targets) {
+    backward_prefetch_ = std::move(targets);
+    has_explicit_backward_prefetch_ = true;
+  }
+  bool has_explicit_forward_prefetch() const { return has_explicit_forward_prefetch_; }
+  bool has_explicit_backward_prefetch() const { return has_explicit_backward_prefetch_; }
+  const std::vector<std::weak_ptr<ParamGroup>>& forward_prefetch() const { return forward_prefetch_; }
+  const std::vector<std::weak_ptr<ParamGroup>>& backward_prefetch() const { return backward_prefetch_; }
+  /// Indices of this unit's post-forwards in the tree's post-forward order; the default backward
+  /// prefetch pops the last one (FSDP2's _post_forward_indices).
+  std::vector<size_t>& post_forward_indices() { return post_forward_indices_; }
+
   // Training-iteration protocol, driven by the hooks in module_state.cpp.
-  void pre_forward(bool grad_enabled);
+  /// Issues this unit's all-gather, then the prefetches `targets`, then waits for its own.
+  void pre_forward(bool grad_enabled, const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets);
   void post_forward(bool grad_enabled);
   void pre_backward();
   /// A forward input of this unit was wrapped; its gradient will report through on_input_gradient.
@@ -176,6 +209,15 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool reduced_this_iteration_ = false;
   int64_t pending_input_gradients_ = 0;
   std::optional<PendingReduction> reduction_in_flight_;
+  std::optional<PendingUnshard> unshard_in_flight_;
+  std::vector<std::weak_ptr<ParamGroup>> forward_prefetch_;
+  std::vector<std::weak_ptr<ParamGroup>> backward_prefetch_;
+  bool has_explicit_forward_prefetch_ = false;
+  bool has_explicit_backward_prefetch_ = false;
+  std::vector<size_t> post_forward_indices_;
+  /// Set by the first pre-backward hook since the last reduction: outputs each carry a hook, and
+  /// only the first of them prefetches.
+  bool backward_prefetch_done_ = false;
 };
 
 }  // namespace fsdp::detail

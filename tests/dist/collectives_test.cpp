@@ -64,6 +64,42 @@ TEST_P(Collectives, AsyncWorkCompletesInIssueOrder) {
   });
 }
 
+// All-gathers and reduce-scatters are point-to-point exchanges with one slot per call: several in
+// flight at once (as prefetch and overlapped reductions issue them) must not take each other's bytes,
+// whatever order they are waited in.
+TEST_P(Collectives, InterleavedAsyncCollectivesKeepTheirOwnData) {
+  testing::run_on_ranks(GetParam(), [](const DistributedContext& context) {
+    const auto& world = context.world();
+    const int64_t size = world.size();
+    const int64_t rank = world.rank();
+    auto gathered = at::empty({size * 3}, at::kFloat);
+    auto gather = all_gather_async(world, gathered, at::full({3}, 100.0 + rank));
+    // Rank r contributes r + 1 + column to every chunk: sums and maxima are known in closed form.
+    auto contribution = (at::arange(size * 4, at::kFloat).remainder(4) + rank + 1).to(at::kBFloat16);
+    auto summed = at::empty({4}, at::kBFloat16);
+    auto sum = reduce_scatter_async(world, summed, contribution);
+    ReduceScatterOptions maximum_options;
+    maximum_options.op = ReduceOp::kMax;
+    auto maximum = at::empty({4}, at::kFloat);
+    auto max_work = reduce_scatter_async(world, maximum, contribution.to(at::kFloat), maximum_options);
+    auto gathered_again = at::empty({size * 2}, at::kDouble);
+    auto gather_again = all_gather_async(world, gathered_again, at::full({2}, -1.0 - rank, at::kDouble));
+    gather_again.wait();
+    max_work.wait();
+    sum.wait();
+    gather.wait();
+    const double rank_sum = static_cast<double>(size * (size + 1) / 2);
+    for (int64_t column = 0; column < 4; ++column) {
+      EXPECT_EQ(summed[column].item<float>(), static_cast<float>(column * size + rank_sum)) << "column " << column;
+      EXPECT_EQ(maximum[column].item<float>(), static_cast<float>(column + size)) << "column " << column;
+    }
+    for (int64_t peer = 0; peer < size; ++peer) {
+      EXPECT_EQ(gathered[peer * 3 + 2].item<float>(), 100.0F + peer);
+      EXPECT_EQ(gathered_again[peer * 2 + 1].item<double>(), -1.0 - peer);
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
                          [](const ::testing::TestParamInfo<int>& info) { return "N" + std::to_string(info.param); });
 
