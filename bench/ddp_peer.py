@@ -1,7 +1,9 @@
-"""The peer of step_bench: the same MLP-block model and batch under PyTorch's DistributedDataParallel
-(Gloo, CPU), with Debian's python3-torch. Run it under `fsdp launch` (torchrun's variables)."""
+"""The peer of step_bench: the same model (MLP blocks, or the Llama of src/models/llama.cpp written
+out in PyTorch) and batch under PyTorch's DistributedDataParallel (Gloo, CPU), with Debian's
+python3-torch. Run it under `fsdp launch` (torchrun's variables)."""
 import argparse
 import json
+import math
 import resource
 import time
 
@@ -19,6 +21,77 @@ class Block(torch.nn.Module):
         return x + self.down(torch.nn.functional.gelu(self.up(x)))
 
 
+class RMSNorm(torch.nn.Module):
+    def __init__(self, width, eps=1e-5):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(width))
+        self.eps = eps
+
+    def forward(self, x):
+        as_float = x.float()
+        return self.weight * (as_float * torch.rsqrt(as_float.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+def rotate_half(x):
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class LlamaLayer(torch.nn.Module):
+    """LlamaDecoderLayer as in src/models/llama.cpp: pre-norm GQA attention with RoPE, then SwiGLU."""
+
+    def __init__(self, width, hidden, heads, kv_heads):
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, width // heads
+        self.q_proj = torch.nn.Linear(width, heads * self.head_dim, bias=False)
+        self.k_proj = torch.nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.v_proj = torch.nn.Linear(width, kv_heads * self.head_dim, bias=False)
+        self.o_proj = torch.nn.Linear(heads * self.head_dim, width, bias=False)
+        self.gate_proj = torch.nn.Linear(width, hidden, bias=False)
+        self.up_proj = torch.nn.Linear(width, hidden, bias=False)
+        self.down_proj = torch.nn.Linear(hidden, width, bias=False)
+        self.input_layernorm = RMSNorm(width)
+        self.post_attention_layernorm = RMSNorm(width)
+
+    def attention(self, x):
+        batch, length, _ = x.shape
+        query = self.q_proj(x).view(batch, length, self.heads, self.head_dim).transpose(1, 2)
+        key = self.k_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        value = self.v_proj(x).view(batch, length, self.kv_heads, self.head_dim).transpose(1, 2)
+        inverse = 1.0 / torch.pow(10000.0, torch.arange(0, self.head_dim, 2).float() / self.head_dim)
+        frequencies = torch.outer(torch.arange(length).float(), inverse)
+        embedding = torch.cat((frequencies, frequencies), dim=-1)
+        cos, sin = embedding.cos(), embedding.sin()
+        query = query * cos + rotate_half(query) * sin
+        key = key * cos + rotate_half(key) * sin
+        key = key.repeat_interleave(self.heads // self.kv_heads, 1)
+        value = value.repeat_interleave(self.heads // self.kv_heads, 1)
+        scores = torch.matmul(query, key.transpose(2, 3)) / math.sqrt(self.head_dim)
+        mask = torch.ones(length, length, dtype=torch.bool).triu(1)
+        weights = torch.softmax(scores.masked_fill(mask, float("-inf")).float(), -1)
+        output = torch.matmul(weights, value).transpose(1, 2).reshape(batch, length, -1)
+        return self.o_proj(output)
+
+    def forward(self, x):
+        x = x + self.attention(self.input_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
+
+
+class Llama(torch.nn.Module):
+    def __init__(self, vocab, width, hidden, layers):
+        super().__init__()
+        self.embed_tokens = torch.nn.Embedding(vocab, width)
+        self.layers = torch.nn.ModuleList([LlamaLayer(width, hidden, 8, 4) for _ in range(layers)])
+        self.norm = RMSNorm(width)
+
+    def forward(self, tokens):
+        x = self.embed_tokens(tokens)
+        for layer in self.layers:
+            x = layer(x)
+        return torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)  # tied head
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=10)
@@ -26,21 +99,35 @@ def main():
     parser.add_argument("--hidden", type=int, default=2048)
     parser.add_argument("--blocks", type=int, default=8)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--model", choices=["mlp", "llama"], default="mlp")
+    parser.add_argument("--length", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[Block(args.width, args.hidden) for _ in range(args.blocks)])
+    if args.model == "mlp":
+        model = torch.nn.Sequential(*[Block(args.width, args.hidden) for _ in range(args.blocks)])
+        x = torch.randn(args.batch // world, args.width)
+
+        def loss_of(output):
+            return output.pow(2).mean()
+    else:
+        model = Llama(args.vocab, args.width, args.hidden, args.blocks)
+        tokens = torch.randint(0, args.vocab, (args.batch // world, args.length + 1))
+        x, targets = tokens[:, :-1], tokens[:, 1:]
+
+        def loss_of(logits):
+            return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
     parameters = sum(p.numel() for p in model.parameters())
     model = torch.nn.parallel.DistributedDataParallel(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    x = torch.randn(args.batch // world, args.width)
     times = []
     for step in range(args.steps + 2):
         dist.barrier()
         start = time.perf_counter()
-        model(x).pow(2).mean().backward()
+        loss_of(model(x)).backward()
         optimizer.step()
         optimizer.zero_grad()
         dist.barrier()
@@ -49,7 +136,8 @@ def main():
     times.sort()
     state = sum(p.numel() * 4 * 4 for p in model.parameters())  # parameter, gradient, two moments
     if rank == 0:
-        print(json.dumps({"benchmark": "step", "peer": "pytorch-ddp", "strategy": "DDP", "world_size": world,
+        print(json.dumps({"benchmark": "step", "peer": "pytorch-ddp", "model": args.model, "strategy": "DDP",
+                          "prefetch": "-", "world_size": world,
                           "parameters": parameters, "median_step_s": round(times[len(times) // 2], 4),
                           "model_state_bytes_per_rank": state,
                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every benchmark side by side on this machine and rewrites the tables in bench/README.md
 # (between the <!-- results --> markers) with the machine, the date, the command and the raw numbers.
-#   bench/run.sh            full sizes, world sizes 2 and 4, 3 alternating rounds (medians reported)
+#   bench/run.sh            full sizes, world sizes 2 and 4, 3 alternating rounds (BENCH_ROUNDS; medians reported)
 #   bench/run.sh --smoke    tiny sizes, 2 ranks, one round, README untouched (CI runs this)
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -11,19 +11,32 @@ smoke=0
 results="$(mktemp -d)/results.jsonl"
 if (( smoke )); then
   sizes=(--width 32 --hidden 64 --blocks 2 --batch 8 --steps 2); world_sizes=(2); rounds=1
+  llama=(--model llama --width 32 --hidden 64 --blocks 2 --batch 4 --length 8 --vocab 64 --steps 2)
+  big_sizes=(--width 32 --hidden 64 --blocks 4 --batch 8 --steps 1)
 else
-  sizes=(--width 512 --hidden 2048 --blocks 8 --batch 64 --steps 10); world_sizes=(2 4); rounds="${BENCH_ROUNDS:-3}"
+  sizes=(--width 512 --hidden 2048 --blocks 8 --batch 64 --steps 8); world_sizes=(2 4); rounds="${BENCH_ROUNDS:-3}"
+  llama=(--model llama --width 512 --hidden 1376 --blocks 4 --batch 8 --length 16 --vocab 4096 --steps 4)
+  big_sizes=(--width 512 --hidden 2048 --blocks 24 --batch 64 --steps 2)
 fi
+launch() { "$bin/fsdp" launch --nproc-per-node "$1" --master-port 0 -- "${@:2}" >> "$results"; }
 for round in $(seq "$rounds"); do
   for n in "${world_sizes[@]}"; do
     # Peers alternate within a round so that machine noise hits them alike.
     for strategy in FULL_SHARD SHARD_GRAD_OP NO_SHARD; do
-      "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/step_bench" --strategy "$strategy" "${sizes[@]}" >> "$results"
+      launch "$n" "$bin/step_bench" --strategy "$strategy" "${sizes[@]}"
     done
-    "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- /usr/bin/python3 "$root/bench/ddp_peer.py" "${sizes[@]}" >> "$results"
+    launch "$n" "$bin/step_bench" --strategy FULL_SHARD --prefetch off "${sizes[@]}"
+    launch "$n" /usr/bin/python3 "$root/bench/ddp_peer.py" "${sizes[@]}"
+    for strategy in FULL_SHARD NO_SHARD; do
+      launch "$n" "$bin/step_bench" --strategy "$strategy" "${llama[@]}"
+    done
+    launch "$n" /usr/bin/python3 "$root/bench/ddp_peer.py" "${llama[@]}"
   done
   OMP_NUM_THREADS=1 "$bin/step_bench" --strategy SINGLE "${sizes[@]}" >> "$results"
 done
+# Memory cap: both peers on a model three times as deep, at the largest world size.
+launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD "${big_sizes[@]}"
+launch "${world_sizes[-1]}" /usr/bin/python3 "$root/bench/ddp_peer.py" "${big_sizes[@]}"
 for n in "${world_sizes[@]}"; do
   "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/collective_bench" --megabytes "$(( smoke ? 4 : 64 ))" >> "$results"
 done

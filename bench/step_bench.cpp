@@ -2,26 +2,41 @@
 // sent per step against the (N-1)/N theory, and the bytes of parameters, gradients and optimizer state
 // each rank holds against 16 bytes/parameter / N. Run under `fsdp launch`; prints one JSON line on
 // rank 0. `--strategy SINGLE` runs the whole global batch in one process without FSDP (the compute
-// floor). bench/ddp_peer.py is the same model under PyTorch's DDP.
+// floor). bench/ddp_peer.py is the same model under PyTorch's DDP. `--model llama` trains
+// fsdp::models::LlamaForCausalLM instead (--width = hidden_size, --hidden = intermediate_size,
+// --blocks = layers, --batch sequences of --length tokens), each decoder layer a unit.
 //
-//   fsdp launch --nproc-per-node 2 -- build/bin/step_bench --strategy FULL_SHARD
+//   fsdp launch --nproc-per-node 2 -- build/bin/step_bench --strategy FULL_SHARD [--model mlp|llama]
+//       [--prefetch on|off]
 #include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <functional>
+#include <unordered_set>
 #include <iostream>
 #include <sys/resource.h>
 
 namespace {
 
+/// Called inside every block's forward and backward: records the most unsharded parameter bytes held
+/// at once, to compare with the two largest units (the working set prefetch allows).
+std::function<void()> sample_working_set;
+
 struct BlockImpl : torch::nn::Module {
   BlockImpl(int64_t width, int64_t hidden)
       : up(register_module("up", torch::nn::Linear(width, hidden))),
         down(register_module("down", torch::nn::Linear(hidden, width))) {}
-  torch::Tensor forward(const torch::Tensor& x) { return x + fsdp::forward(down, torch::gelu(fsdp::forward(up, x))); }
+  torch::Tensor forward(const torch::Tensor& x) {
+    if (sample_working_set) sample_working_set();
+    auto inner = fsdp::forward(up, x);
+    if (inner.requires_grad() && sample_working_set) inner.register_hook([](const torch::Tensor&) { sample_working_set(); });
+    return x + fsdp::forward(down, torch::gelu(inner));
+  }
   torch::nn::Linear up, down;
 };
 TORCH_MODULE(Block);
@@ -45,45 +60,105 @@ int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string strategy = "FULL_SHARD";
-  int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64;
+  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on";
+  int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
     if (flag == "--strategy") strategy = value;
+    else if (flag == "--model") model_kind = value;
+    else if (flag == "--prefetch") prefetch = value;
     else if (flag == "--steps") steps = std::stoll(value);
     else if (flag == "--width") width = std::stoll(value);
     else if (flag == "--hidden") hidden = std::stoll(value);
     else if (flag == "--blocks") blocks = std::stoll(value);
     else if (flag == "--batch") batch = std::stoll(value);
+    else if (flag == "--length") length = std::stoll(value);
+    else if (flag == "--vocab") vocab = std::stoll(value);
     else {
-      std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|SINGLE] [--steps N] [--width W] "
-                   "[--hidden H] [--blocks B] [--batch GLOBAL]\n";
+      std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|SINGLE] [--model mlp|llama] "
+                   "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
+                   "[--length TOKENS] [--vocab V]\n";
       return 2;
     }
+  }
+  if ((model_kind != "mlp" && model_kind != "llama") || (prefetch != "on" && prefetch != "off")) {
+    std::cerr << "step_bench: --model takes mlp or llama and --prefetch on or off\n";
+    return 2;
   }
   try {
     auto context = fsdp::DistributedContext::initialize_from_environment();
     const bool single = strategy == "SINGLE";
     const int64_t world = single ? 1 : context.world_size();
     torch::manual_seed(0);
-    Stack model(width, hidden, blocks);
-    int64_t parameters = 0;
-    for (const auto& parameter : model->parameters()) parameters += parameter.numel();
+    std::shared_ptr<torch::nn::Module> model;
+    std::vector<std::shared_ptr<torch::nn::Module>> units;
+    std::function<torch::Tensor(const torch::Tensor&)> loss_of;
+    torch::Tensor input;
+    if (model_kind == "mlp") {
+      Stack stack(width, hidden, blocks);
+      for (auto& layer : stack->layers) units.push_back(layer.ptr());
+      model = stack.ptr();
+      input = torch::randn({batch / world, width});
+      loss_of = [stack](const torch::Tensor& x) mutable { return fsdp::forward(stack, x).pow(2).mean(); };
+    } else {
+      fsdp::models::LlamaConfig config;
+      config.vocab_size = vocab;
+      config.hidden_size = width;
+      config.intermediate_size = hidden;
+      config.num_hidden_layers = blocks;
+      config.num_attention_heads = 8;
+      config.num_key_value_heads = 4;
+      fsdp::models::LlamaForCausalLM llama(config);
+      for (auto& layer : llama->model->decoder_layers) units.push_back(layer.ptr());
+      model = llama.ptr();
+      input = torch::randint(0, vocab, {batch / world, length + 1});
+      loss_of = [llama](const torch::Tensor& tokens) mutable {
+        auto logits = fsdp::forward(llama, tokens.narrow(1, 0, tokens.size(1) - 1));
+        return fsdp::models::causal_lm_loss(logits, tokens.narrow(1, 1, tokens.size(1) - 1));
+      };
+    }
+    // Parameters as Python counts them (a tied weight once), and those outside every block, which
+    // the root unit holds and, as FSDP2's root, does not reshard after forward.
+    int64_t parameters = 0, root_parameters = 0;
+    {
+      std::unordered_set<const void*> seen, in_blocks;
+      for (const auto& unit : units) {
+        for (const auto& parameter : unit->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
+      }
+      for (const auto& parameter : model->parameters()) {
+        if (!seen.insert(parameter.unsafeGetTensorImpl()).second) continue;
+        parameters += parameter.numel();
+        if (!in_blocks.count(parameter.unsafeGetTensorImpl())) root_parameters += parameter.numel();
+      }
+    }
+    std::vector<int64_t> unit_bytes;
     if (!single) {
       fsdp::FullyShardOptions options;
       options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
-      for (auto& layer : model->layers) fsdp::fully_shard(layer.ptr(), context, options);
-      fsdp::fully_shard(model.ptr(), context, options);
+      options.implicit_prefetch = prefetch == "on";
+      for (auto& unit : units) {
+        int64_t bytes = 0;
+        for (const auto& parameter : unit->parameters()) bytes += parameter.numel() * parameter.element_size();
+        unit_bytes.push_back(bytes);
+        fsdp::fully_shard(unit, context, options);
+      }
+      fsdp::fully_shard(model, context, options);
     }
+    int64_t working_set_peak = 0;
+    const auto fsdp_units = fsdp::fsdp_modules(*model);
+    sample_working_set = [&] {
+      int64_t held = 0;
+      for (const auto& unit : fsdp_units) held += unit.unsharded_buffer_bytes();
+      working_set_peak = std::max(working_set_peak, held);
+    };
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
-    const auto input = torch::randn({batch / world, width});
     std::vector<double> times;
     int64_t bytes_before = 0;
     for (int64_t step = 0; step < steps + 2; ++step) {
       if (step == 2) bytes_before = context.world().bytes_sent().total();
       if (!single) fsdp::barrier(context.world());
       const auto start = std::chrono::steady_clock::now();
-      fsdp::forward(model, input).pow(2).mean().backward();
+      loss_of(input).backward();
       optimizer.step();
       optimizer.zero_grad();
       if (!single) fsdp::barrier(context.world());
@@ -92,7 +167,9 @@ int main(int argc, char** argv) {
     const int64_t bytes_per_step = (context.world().bytes_sent().total() - bytes_before) / steps;
     // What this rank holds: the parameters' storage (shards), their gradients and AdamW's two moments.
     int64_t state_bytes = 0;
+    std::unordered_set<const void*> counted;
     for (const auto& parameter : model->parameters()) {
+      if (!counted.insert(parameter.unsafeGetTensorImpl()).second) continue;  // a tied weight, once
       state_bytes += static_cast<int64_t>(parameter.storage().nbytes()) + bytes_of(parameter.grad());
       auto found = optimizer.state().find(c10::guts::to_string(parameter.unsafeGetTensorImpl()));
       if (found != optimizer.state().end()) {
@@ -101,19 +178,28 @@ int main(int argc, char** argv) {
       }
     }
     std::sort(times.begin(), times.end());
-    const double factor = strategy == "FULL_SHARD" ? 3.0 : 2.0;
-    const double theory = single ? 0.0 : factor * (world - 1) / world * parameters * 4.0;
+    std::sort(unit_bytes.rbegin(), unit_bytes.rend());
+    const int64_t two_largest_units = unit_bytes.empty() ? 0 : unit_bytes[0] + (unit_bytes.size() > 1 ? unit_bytes[1] : 0);
+    const bool replicated = strategy == "NO_SHARD" || single;
+    // FULL_SHARD: all-gather in forward, again in backward for every unit but the root, reduce-scatter.
+    // SHARD_GRAD_OP and NO_SHARD: one all-gather (or the all-reduce's second half) and one reduction.
+    const double gathered_twice = strategy == "FULL_SHARD" ? static_cast<double>(parameters - root_parameters) : 0.0;
+    const double theory = single ? 0.0 : (2.0 * parameters + gathered_twice) * (world - 1) / world * 4.0;
+    // Only the MLP blocks carry the probe; the Llama layers have no place for it.
+    if (model_kind != "mlp") working_set_peak = -1;
     struct rusage usage {};
     ::getrusage(RUSAGE_SELF, &usage);
     if (context.rank() == 0) {
-      std::printf("{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"strategy\": \"%s\", \"world_size\": %lld, "
-                  "\"parameters\": %lld, \"median_step_s\": %.4f, \"bytes_sent_per_step\": %lld, "
-                  "\"bytes_theory\": %.0f, \"model_state_bytes_per_rank\": %lld, \"model_state_formula\": %.0f, "
+      std::printf("{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
+                  "\"prefetch\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
+                  "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"model_state_bytes_per_rank\": %lld, "
+                  "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
                   "\"peak_rss_mb\": %.1f}\n",
-                  strategy.c_str(), static_cast<long long>(world), static_cast<long long>(parameters),
-                  times[times.size() / 2], static_cast<long long>(bytes_per_step), theory,
-                  static_cast<long long>(state_bytes),
-                  16.0 * parameters / (strategy == "NO_SHARD" || single ? 1 : world), usage.ru_maxrss / 1024.0);
+                  model_kind.c_str(), strategy.c_str(), prefetch.c_str(), static_cast<long long>(world),
+                  static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
+                  theory, static_cast<long long>(state_bytes), 16.0 * parameters / (replicated ? 1 : world),
+                  static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),
+                  usage.ru_maxrss / 1024.0);
     }
   } catch (const c10::Error& error) {
     std::cerr << "step_bench: " << error.what_without_backtrace() << "\n";
