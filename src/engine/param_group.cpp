@@ -14,6 +14,11 @@ namespace {
 
 constexpr int64_t kAlignmentBytes = 16;
 
+// Why a parameter can carry a full-shape gradient outside its unit's backward, and the fix.
+constexpr const char* kCalledWithoutFsdpForward =
+    ": the unit's module was called as module->forward(...) while its parameters were sharded. Call it as "
+    "fsdp::forward(module, ...) so FSDP can all-gather it first";
+
 int64_t align_up(int64_t bytes) { return (bytes + kAlignmentBytes - 1) / kAlignmentBytes * kAlignmentBytes; }
 
 int64_t element_size(c10::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
@@ -308,9 +313,7 @@ void ParamGroup::end_iteration(bool check) {
     parameter.stashed_sharded_gradient = at::Tensor();
     parameter.gradient_stashed = false;
   }
-  TORCH_CHECK(!check || stray_gradient.empty(), stray_gradient,
-              ": the unit's module was called as module->forward(...) while its parameters were sharded. Call it as "
-              "fsdp::forward(module, ...) so FSDP can all-gather it first");
+  TORCH_CHECK(!check || stray_gradient.empty(), stray_gradient, kCalledWithoutFsdpForward);
 }
 
 void ParamGroup::post_backward() {
@@ -328,9 +331,7 @@ void ParamGroup::post_backward() {
     if (!gradient.defined()) continue;
     TORCH_CHECK(gradient.sizes() == at::IntArrayRef(parameter.layout.unsharded_sizes), "parameter '", parameter.name,
                 "' of ", description(), " received a gradient of shape ", sizes_text(gradient.sizes()),
-                " but its full shape is ", sizes_text(parameter.layout.unsharded_sizes),
-                ": the unit's module was called as module->forward(...) while its parameters were sharded. Call "
-                "it as fsdp::forward(module, ...) so FSDP can all-gather it first");
+                " but its full shape is ", sizes_text(parameter.layout.unsharded_sizes), kCalledWithoutFsdpForward);
     parameter.parameter.mutable_grad() = at::Tensor();
     gradients[index] = gradient;
     has_gradient[index] = true;
