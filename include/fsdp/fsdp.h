@@ -2,6 +2,7 @@
 #pragma once
 
 #include <fsdp/accelerator.h>
+#include <fsdp/activation_checkpointing.h>
 #include <fsdp/auto_wrap.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad_norm.h>

@@ -34,6 +34,7 @@
 #include <utility>
 #include <vector>
 
+#include <fsdp/activation_checkpointing.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
 #include <fsdp/shard_layout.h>
@@ -194,13 +195,14 @@ decltype(auto) prepare_input(ParamGroup& group, T&& value) {
 /// Calls `module->forward(args...)` with FSDP's pre- and post-forward around it when `module` is a
 /// unit (see the top of this file). `module` is a ModuleHolder (e.g. torch::nn::Linear) or a
 /// std::shared_ptr to a module. The output may be a Tensor or a vector, tuple, pair or optional of
-/// them: those are what backward hooks can be attached to.
+/// them: those are what backward hooks can be attached to. A module marked with checkpoint_module
+/// is activation-checkpointed (activation_checkpointing.h).
 template <typename Holder, typename... Args>
 auto forward(Holder& module, Args&&... args) {
   auto group = detail::find_param_group(module.get());
-  if (!group) return module->forward(std::forward<Args>(args)...);
+  if (!group) return detail::call_forward(module, std::forward<Args>(args)...);
   detail::run_pre_forward(*group);
-  auto output = module->forward(detail::prepare_input(*group, std::forward<Args>(args))...);
+  auto output = detail::call_forward(module, detail::prepare_input(*group, std::forward<Args>(args))...);
   std::vector<at::Tensor*> outputs;
   detail::collect_outputs(output, outputs);
   detail::run_post_forward(*group, outputs);

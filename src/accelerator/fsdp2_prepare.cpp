@@ -4,9 +4,11 @@
 
 #include <regex>
 #include <sstream>
+#include <unordered_map>
 #include <unordered_set>
 
 #include <fsdp/accelerator.h>
+#include <fsdp/activation_checkpointing.h>
 #include <fsdp/auto_wrap.h>
 #include <fsdp/pretrained_model.h>
 #include <fsdp/state_dict.h>
@@ -64,6 +66,41 @@ std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const 
   return parameters;
 }
 
+// Accelerate's fsdp2_apply_ac (spec §3.7): the children of every module the wrap policy selects are
+// checkpointed, e.g. self_attn, mlp and the norms of each decoder layer, not the layer itself.
+void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& plugin,
+                                          const std::shared_ptr<torch::nn::Module>& model) {
+  auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model);
+  TORCH_CHECK(policy, "fsdp2_prepare_model: activation_checkpointing=true checkpoints the children of the modules "
+              "the auto-wrap policy selects, but auto_wrap_policy is ", to_string(plugin.auto_wrap_policy),
+              ". Set fsdp_auto_wrap_policy to TRANSFORMER_BASED_WRAP (or SIZE_BASED_WRAP), or mark modules yourself "
+              "with fsdp::checkpoint_module (Accelerate fails here with a TypeError, its issue #3822)");
+  auto order = module_children_bottom_up(model);
+  std::unordered_map<std::string, std::shared_ptr<torch::nn::Module>> by_name;
+  for (const auto& [name, module] : order) by_name[name] = module;
+  order.pop_back();  // the root has no parent
+  for (const auto& [name, layer] : order) {
+    const auto dot = name.rfind('.');
+    const std::string parent_name = dot == std::string::npos ? "" : name.substr(0, dot);
+    const auto& parent = by_name.at(parent_name);
+    int64_t numel = 0;
+    for (const auto& parameter : parent->parameters()) numel += parameter.numel();
+    if ((*policy)(*parent, parent_name, numel)) checkpoint_module(layer);
+  }
+}
+
+void check_no_unit_inside_checkpointed_module(const std::shared_ptr<torch::nn::Module>& model) {
+  for (const auto& [name, module] : module_children_bottom_up(model)) {
+    if (!is_checkpointed(*module)) continue;
+    for (const auto& inner : module->named_modules("", /*include_self=*/false)) {
+      TORCH_CHECK(!is_fsdp_module(*inner.value()), "fsdp2_prepare_model: activation checkpointing would wrap '",
+                  name, "', which contains the FSDP unit '", name, ".", inner.key(),
+                  "'; this engine cannot reduce a unit's gradients during a recomputation. Use "
+                  "TRANSFORMER_BASED_WRAP, whose checkpointed modules lie inside the units, or raise min_num_params");
+    }
+  }
+}
+
 }  // namespace
 
 FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {
@@ -81,9 +118,7 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
   TORCH_CHECK(model, "fsdp2_prepare_model: the model is null");
   if (is_fsdp_module(*model)) return model;
   const auto& plugin = accelerator.fsdp_plugin();
-  TORCH_CHECK(!plugin.activation_checkpointing,
-              "fsdp2_prepare_model: activation_checkpointing is not implemented by this engine yet; set it to false "
-              "(FSDP_ACTIVATION_CHECKPOINTING=false, fsdp_activation_checkpointing: false)");
+  if (plugin.activation_checkpointing) fsdp2_apply_activation_checkpointing(plugin, model);
   for (const auto& item : model->named_parameters()) {
     TORCH_CHECK(!item.value().is_meta(), "fsdp2_prepare_model: parameter '", item.key(),
                 "' is on the meta device; this engine shards materialized parameters only. Create the model on CPU");
@@ -146,6 +181,7 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     root_options.reshard_after_forward.reset();
     fully_shard(model, context, root_options);
   }
+  if (plugin.activation_checkpointing) check_no_unit_inside_checkpointed_module(model);
   if (efficient_loading) {
     std::unique_ptr<TensorListSource> source;
     if (context.rank() == 0) source = std::make_unique<TensorListSource>(std::move(original_state), "rank 0's weights");

@@ -130,6 +130,12 @@ void ShardedDirectoryReader::open() {
   const std::string& directory = directory_;
   const auto metadata_path = std::filesystem::path(directory) / kShardedMetadataFile;
   std::ifstream file(metadata_path);
+  if (!file && std::filesystem::exists(std::filesystem::path(directory) / ".metadata")) {
+    TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), which fsdp.cpp ",
+                "does not read yet; it reads its own sharded format (docs/checkpoint-format.md). Save the model from "
+                "PyTorch as a full state dict (safetensors or torch.save) instead, or merge it with Accelerate's "
+                "merge-weights");
+  }
   TORCH_CHECK(file, "sharded checkpoint directory '", directory, "' has no ", kShardedMetadataFile,
               ": it is not a checkpoint directory, or its save did not finish");
   std::stringstream text;

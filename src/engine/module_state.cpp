@@ -204,6 +204,10 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
 }
 
 void run_pre_forward(ParamGroup& group) {
+  TORCH_CHECK(!inside_checkpointed_forward(), group.description(),
+              " runs inside an activation-checkpointed module, so its gradients would be reduced during the "
+              "recomputation. Checkpoint the unit's own module or modules inside it instead (e.g. the children of "
+              "each transformer block, as Accelerate does with TRANSFORMER_BASED_WRAP)");
   auto root_state = ensure_root_state(group);
   const bool grad_enabled = c10::GradMode::is_enabled();
   if (grad_enabled) root_state->begin_iteration();

@@ -36,6 +36,8 @@ void check_input(const std::string& checkpoint_dir) {
               "merge: '", checkpoint_dir, "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "
               "the full weights, so there is nothing to merge");
   if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
+    // A PyTorch DCP directory: the reader explains what it is and what to do instead.
+    if (fs::exists(fs::path(checkpoint_dir) / ".metadata")) ShardedDirectoryReader{checkpoint_dir};
     std::vector<std::string> sharded;
     for (const auto& item : fs::directory_iterator(checkpoint_dir)) {
       if (item.is_directory() && fs::exists(item.path() / kShardedMetadataFile)) sharded.push_back(item.path().filename());

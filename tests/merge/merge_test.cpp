@@ -135,6 +135,13 @@ TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
                "is a checkpoint, not a sharded directory; merge one of its sharded directories: optimizer_0, "
                "pytorch_model_fsdp_0");
 
+  // What Accelerate writes for SHARDED_STATE_DICT under PyTorch (DCP): named, not mistaken for ours.
+  fs::create_directories(root + "/dcp/pytorch_model_fsdp_0");
+  std::ofstream(root + "/dcp/pytorch_model_fsdp_0/.metadata") << "pickle";
+  std::ofstream(root + "/dcp/pytorch_model_fsdp_0/__0_0.distcp") << "tensor bytes";
+  expect_error([&] { merge_fsdp_weights(root + "/dcp/pytorch_model_fsdp_0", root + "/out"); },
+               "is a PyTorch DCP checkpoint (.metadata and .distcp files), which fsdp.cpp does not read yet");
+
   fs::rename(checkpoint + "/checkpoint_complete.json", checkpoint + "/marker.away");
   expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "is incomplete");
   expect_error([&] { merge_fsdp_weights(model_dir + "/", root + "/out"); }, "is incomplete");
