@@ -60,7 +60,7 @@ int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", init = "whole";
+  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", init = "whole", host_memory = "limit";
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
@@ -75,19 +75,23 @@ int main(int argc, char** argv) {
     else if (flag == "--length") length = std::stoll(value);
     else if (flag == "--vocab") vocab = std::stoll(value);
     else if (flag == "--init") init = value;
+    else if (flag == "--host-memory") host_memory = value;
     else {
       std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|SINGLE] [--model mlp|llama] "
                    "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
-                   "[--length TOKENS] [--vocab V] [--init whole|per-block]\n";
+                   "[--length TOKENS] [--vocab V] [--init whole|per-block] [--host-memory limit|default]\n";
       return 2;
     }
   }
   if ((model_kind != "mlp" && model_kind != "llama") || (prefetch != "on" && prefetch != "off") ||
-      (init != "whole" && init != "per-block")) {
-    std::cerr << "step_bench: --model takes mlp or llama, --prefetch on or off, --init whole or per-block\n";
+      (init != "whole" && init != "per-block") || (host_memory != "limit" && host_memory != "default")) {
+    std::cerr << "step_bench: --model takes mlp or llama, --prefetch on or off, --init whole or per-block, "
+                 "--host-memory limit or default\n";
     return 2;
   }
   try {
+    // As Accelerator does by default (host_memory.h); "default" leaves glibc's malloc as it is.
+    if (host_memory == "limit") fsdp::limit_retained_host_memory();
     auto context = fsdp::DistributedContext::initialize_from_environment();
     const bool single = strategy == "SINGLE";
     const int64_t world = single ? 1 : context.world_size();
@@ -209,11 +213,11 @@ int main(int argc, char** argv) {
     ::getrusage(RUSAGE_SELF, &usage);
     if (context.rank() == 0) {
       std::printf("{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
-                  "\"prefetch\": \"%s\", \"init\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
+                  "\"prefetch\": \"%s\", \"init\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
                   "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"model_state_bytes_per_rank\": %lld, "
                   "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
                   "\"peak_rss_mb\": %.1f}\n",
-                  model_kind.c_str(), strategy.c_str(), prefetch.c_str(), init.c_str(), static_cast<long long>(world),
+                  model_kind.c_str(), strategy.c_str(), prefetch.c_str(), init.c_str(), host_memory.c_str(), static_cast<long long>(world),
                   static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
                   theory, static_cast<long long>(state_bytes), 16.0 * parameters / (replicated ? 1 : world),
                   static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),

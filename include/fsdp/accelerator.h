@@ -30,6 +30,9 @@ struct AcceleratorOptions {
   std::string project_dir = ".";
   /// Automatic checkpoints to keep (the oldest are deleted by the main process); 0 keeps all. Default: 0.
   int64_t total_limit = 0;
+  /// Call limit_retained_host_memory() (host_memory.h) so that FSDP's freed unit-sized buffers leave
+  /// the process instead of staying resident in malloc's heap. Process-wide. Default: true.
+  bool limit_retained_host_memory = true;
 };
 
 class Accelerator {

@@ -13,6 +13,7 @@
 #include <fsdp/collectives.h>
 #include <fsdp/fsdp2_prepare.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/host_memory.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 
@@ -30,6 +31,7 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
   TORCH_CHECK(gradient_accumulation_steps_ >= 1, "Accelerator: gradient_accumulation_steps must be at least 1, got ",
               gradient_accumulation_steps_);
   TORCH_CHECK(total_limit_ >= 0, "Accelerator: total_limit must be 0 (keep all) or positive, got ", total_limit_);
+  if (options.limit_retained_host_memory) limit_retained_host_memory();
   if (options.mixed_precision) {
     mixed_precision_ = detail::to_lower(*options.mixed_precision);
   } else {
