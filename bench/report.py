@@ -8,8 +8,8 @@ import subprocess
 import sys
 import time
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "DDP")
-COLORS = {"FULL_SHARD": "#1f77b4", "SHARD_GRAD_OP": "#2ca02c", "NO_SHARD": "#9467bd", "DDP": "#d62728",
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD", "DDP")
+COLORS = {"FULL_SHARD": "#1f77b4", "SHARD_GRAD_OP": "#2ca02c", "HYBRID_SHARD": "#ff7f0e", "NO_SHARD": "#9467bd", "DDP": "#d62728",
           "FULL_SHARD, prefetch off": "#7fb3d5", "16 B/param / N": "#7f7f7f"}
 
 
@@ -64,7 +64,7 @@ def main():
     for row in rows:
         if row["benchmark"] == "step":
             strategy = (row["strategy"] + (" sharded per block" if row.get("init") == "per-block" else "")
-                        + (", malloc as is" if row.get("host_memory") == "default" else ""))
+                        + (", retained memory limited" if row.get("host_memory") == "limit" else ""))
             key = (row.get("model", "mlp"), row["parameters"], strategy, row.get("prefetch", "on"), row["world_size"])
             steps.setdefault(key, []).append(row)
 
@@ -126,7 +126,7 @@ def main():
     # peer's two measured sizes at N = 4 gives the largest model that fits under it.
     demo = sorted({p for (m, p, s, _, w) in steps if m == "mlp" and w == 4 and p != main_sizes.get("mlp")})
     base = main_sizes.get("mlp")
-    peers = [(s, pf) for s, pf in (("FULL_SHARD", "on"), ("FULL_SHARD, malloc as is", "on"), ("DDP", "-"))
+    peers = [(s, pf) for s, pf in (("FULL_SHARD", "on"), ("FULL_SHARD, retained memory limited", "on"), ("DDP", "-"))
              if demo and base and all(("mlp", p, s, pf, 4) in steps for p in (base, demo[-1]))]
     if any(s == "DDP" for s, _ in peers):
         big = demo[-1]
@@ -142,9 +142,9 @@ def main():
             largest = base / 1e6 + (cap - small_rss) / slope
             lines.append(f"| {strategy} | {small_rss:.0f} | {big_rss:.0f} | {slope:.2f} | {largest:.1f} |")
         lines += ["", "The largest sizes are arithmetic (a straight line through the two measured peaks of each "
-                  "peer); the two runs per peer are real. FULL_SHARD runs with limit_retained_host_memory() "
-                  "(host_memory.h, on by default in Accelerator); \"malloc as is\" leaves glibc's malloc alone, "
-                  "which keeps freed unit-sized buffers resident. DDP runs as PyTorch ships it.", ""]
+                  "peer); the two runs per peer are real. \"retained memory limited\" adds "
+                  "limit_retained_host_memory() (host_memory.h), which returns freed large blocks to the system "
+                  "at the cost of page faults (compare its step time in the raw lines). DDP runs as PyTorch ships it.", ""]
 
     collectives = [row for row in rows if row["benchmark"] == "collectives"]
     if collectives:

@@ -26,6 +26,15 @@ for round in $(seq "$rounds"); do
       launch "$n" "$bin/step_bench" --strategy "$strategy" "${sizes[@]}"
     done
     launch "$n" "$bin/step_bench" --strategy FULL_SHARD --prefetch off "${sizes[@]}"
+    # HYBRID_SHARD on two simulated machines of n/2 ranks each: torchrun's variables set by hand, since
+    # `fsdp launch` rightly refuses a loopback master for a job of two machines.
+    port="$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    for (( rank = n - 1; rank >= 0; rank-- )); do
+      RANK=$rank WORLD_SIZE=$n LOCAL_RANK=$(( rank % (n / 2) )) LOCAL_WORLD_SIZE=$(( n / 2 )) GROUP_RANK=$(( rank / (n / 2) )) \
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
+        "$bin/step_bench" --strategy HYBRID_SHARD "${sizes[@]}" >> "$results" &
+    done
+    wait
     launch "$n" /usr/bin/python3 "$root/bench/ddp_peer.py" "${sizes[@]}"
     for strategy in FULL_SHARD NO_SHARD; do
       launch "$n" "$bin/step_bench" --strategy "$strategy" "${llama[@]}"
@@ -35,12 +44,12 @@ for round in $(seq "$rounds"); do
   OMP_NUM_THREADS=1 "$bin/step_bench" --strategy SINGLE "${sizes[@]}" >> "$results"
 done
 # Memory cap: both peers on a model three times as deep, at the largest world size; FULL_SHARD also
-# with glibc's malloc left as it is (step_bench limits retained memory as Accelerator does).
+# with limit_retained_host_memory (host_memory.h).
 launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD "${big_sizes[@]}"
 launch "${world_sizes[-1]}" /usr/bin/python3 "$root/bench/ddp_peer.py" "${big_sizes[@]}"
 for model_sizes in "${sizes[*]}" "${big_sizes[*]}"; do
   read -r -a model_sizes <<< "$model_sizes"
-  launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD --host-memory default "${model_sizes[@]}"
+  launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD --host-memory limit "${model_sizes[@]}"
 done
 for n in "${world_sizes[@]}"; do
   "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/collective_bench" --megabytes "$(( smoke ? 4 : 64 ))" >> "$results"

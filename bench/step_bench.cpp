@@ -60,7 +60,7 @@ int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", init = "whole", host_memory = "limit";
+  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", init = "whole", host_memory = "default";
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
@@ -77,9 +77,9 @@ int main(int argc, char** argv) {
     else if (flag == "--init") init = value;
     else if (flag == "--host-memory") host_memory = value;
     else {
-      std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|SINGLE] [--model mlp|llama] "
+      std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
                    "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
-                   "[--length TOKENS] [--vocab V] [--init whole|per-block] [--host-memory limit|default]\n";
+                   "[--length TOKENS] [--vocab V] [--init whole|per-block] [--host-memory default|limit]\n";
       return 2;
     }
   }
@@ -90,7 +90,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   try {
-    // As Accelerator does by default (host_memory.h); "default" leaves glibc's malloc as it is.
+    // "limit": AcceleratorOptions::limit_retained_host_memory (host_memory.h); "default": malloc as is.
     if (host_memory == "limit") fsdp::limit_retained_host_memory();
     auto context = fsdp::DistributedContext::initialize_from_environment();
     const bool single = strategy == "SINGLE";
@@ -174,10 +174,15 @@ int main(int argc, char** argv) {
       working_set_peak = std::max(working_set_peak, held);
     };
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
+    // HYBRID_SHARD talks over the machine's group and the cross-machine group, the others over the world.
+    auto bytes_sent = [&] {
+      if (strategy != "HYBRID_SHARD") return context.world().bytes_sent().total();
+      return context.intra_node().bytes_sent().total() + context.cross_node().bytes_sent().total();
+    };
     std::vector<double> times;
     int64_t bytes_before = 0;
     for (int64_t step = 0; step < steps + 2; ++step) {
-      if (step == 2) bytes_before = context.world().bytes_sent().total();
+      if (step == 2) bytes_before = bytes_sent();
       if (!single) fsdp::barrier(context.world());
       const auto start = std::chrono::steady_clock::now();
       loss_of(input).backward();
@@ -186,7 +191,7 @@ int main(int argc, char** argv) {
       if (!single) fsdp::barrier(context.world());
       if (step >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
-    const int64_t bytes_per_step = (context.world().bytes_sent().total() - bytes_before) / steps;
+    const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
     // What this rank holds: the parameters' storage (shards), their gradients and AdamW's two moments.
     int64_t state_bytes = 0;
     std::unordered_set<const void*> counted;
@@ -202,11 +207,19 @@ int main(int argc, char** argv) {
     std::sort(times.begin(), times.end());
     std::sort(unit_bytes.rbegin(), unit_bytes.rend());
     const int64_t two_largest_units = unit_bytes.empty() ? 0 : unit_bytes[0] + (unit_bytes.size() > 1 ? unit_bytes[1] : 0);
-    const bool replicated = strategy == "NO_SHARD" || single;
+    // Ranks that split the parameters and ranks that hold the same shard: HYBRID_SHARD shards inside a
+    // machine and replicates across machines.
+    const bool hybrid = strategy == "HYBRID_SHARD";
+    const int64_t shard_ranks = single || strategy == "NO_SHARD" ? 1 : hybrid ? context.intra_node().size() : world;
+    const int64_t replica_ranks = single ? 1 : world / shard_ranks;
     // FULL_SHARD: all-gather in forward, again in backward for every unit but the root, reduce-scatter.
     // SHARD_GRAD_OP and NO_SHARD: one all-gather (or the all-reduce's second half) and one reduction.
-    const double gathered_twice = strategy == "FULL_SHARD" ? static_cast<double>(parameters - root_parameters) : 0.0;
-    const double theory = single ? 0.0 : (2.0 * parameters + gathered_twice) * (world - 1) / world * 4.0;
+    // HYBRID_SHARD: the same within its machine, then an all-reduce of each shard across machines.
+    const double gathered_twice =
+        strategy == "FULL_SHARD" || hybrid ? static_cast<double>(parameters - root_parameters) : 0.0;
+    const double within = strategy == "NO_SHARD" ? static_cast<double>(world) : static_cast<double>(shard_ranks);
+    double theory = single ? 0.0 : (2.0 * parameters + gathered_twice) * (within - 1) / within * 4.0;
+    if (hybrid) theory += 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
     // Only the MLP blocks carry the probe; the Llama layers have no place for it.
     if (model_kind != "mlp") working_set_peak = -1;
     struct rusage usage {};
@@ -219,7 +232,7 @@ int main(int argc, char** argv) {
                   "\"peak_rss_mb\": %.1f}\n",
                   model_kind.c_str(), strategy.c_str(), prefetch.c_str(), init.c_str(), host_memory.c_str(), static_cast<long long>(world),
                   static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
-                  theory, static_cast<long long>(state_bytes), 16.0 * parameters / (replicated ? 1 : world),
+                  theory, static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
                   static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),
                   usage.ru_maxrss / 1024.0);
     }

@@ -7,6 +7,7 @@
 
 #include <fsdp/collectives.h>
 
+#include "engine/buffer_pool.h"
 #include "engine/module_state.h"
 
 namespace fsdp::detail {
@@ -23,16 +24,19 @@ int64_t align_up(int64_t bytes) { return (bytes + kAlignmentBytes - 1) / kAlignm
 
 int64_t element_size(c10::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
+// The unsharded buffer's memory goes back to, and comes from, the pool of unit-sized blocks.
 void free_storage(const at::Tensor& tensor) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
-  storage->set_data_ptr_noswap(at::DataPtr(nullptr, tensor.device()));
+  const auto nbytes = static_cast<int64_t>(storage->nbytes());
+  auto block = storage->set_data_ptr(at::DataPtr(nullptr, tensor.device()));
   storage->set_nbytes(0);
+  return_pooled_block(std::move(block), nbytes);
 }
 
 void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
   if (static_cast<int64_t>(storage->nbytes()) == nbytes) return;
-  storage->set_data_ptr_noswap(storage->allocator()->allocate(nbytes));
+  storage->set_data_ptr_noswap(take_pooled_block(nbytes));
   storage->set_nbytes(nbytes);
 }
 
@@ -211,7 +215,7 @@ void ParamGroup::unshard(bool async_op) {
         .view(parameter.compute_dtype)
         .copy_(parameter.sharded_padded);
   }
-  pending.output = at::empty({shard_size * all_gather_row_bytes_}, pending.input.options());
+  pending.output = pooled_bytes(shard_size * all_gather_row_bytes_);
   pending.work = all_gather_async(*shard_group_, pending.output, pending.input);
   unshard_in_flight_ = std::move(pending);
   if (!async_op) wait_for_unshard();
@@ -238,6 +242,7 @@ void ParamGroup::wait_for_unshard() {
         .view({shard_size, bytes})
         .copy_(rows.narrow(1, parameter.all_gather_offset_bytes, bytes));
   }
+  return_pooled_bytes(pending.output);
   for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.unsharded_data);
   sharded_state_ = ShardedState::kUnsharded;
 }
@@ -375,7 +380,10 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
   const double post_divide = static_cast<double>(data_parallel_size) / pre_divide;
   const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
 
-  auto reduce_scatter_input = at::zeros({shard_size, reduce_row_numel_}, at::TensorOptions().dtype(*reduce_dtype_));
+  auto reduce_scatter_input = pooled_bytes(shard_size * reduce_row_numel_ * element_size(*reduce_dtype_))
+                                  .view(*reduce_dtype_)
+                                  .view({shard_size, reduce_row_numel_})
+                                  .zero_();
   int64_t trainable_index = 0;
   for (size_t index = 0; index < parameters_.size(); ++index) {
     const auto& parameter = parameters_[index];
@@ -445,6 +453,8 @@ void ParamGroup::finish_reduction() {
       stashed = sharded_gradient;
     }
   }
+  // Nothing reads the reduction's buffers any more (the gradients above are copies).
+  return_pooled_bytes(pending.input);
 }
 
 }  // namespace fsdp::detail

@@ -1,0 +1,74 @@
+#include "engine/buffer_pool.h"
+
+#include <ATen/ATen.h>
+#include <c10/core/CPUAllocator.h>
+
+#include <deque>
+#include <mutex>
+
+namespace fsdp::detail {
+namespace {
+
+struct FreeBlock {
+  int64_t nbytes;
+  at::DataPtr block;
+};
+
+struct Pool {
+  std::mutex mutex;
+  std::deque<FreeBlock> free_blocks;  // oldest first
+};
+
+Pool& pool() {
+  static Pool instance;
+  return instance;
+}
+
+}  // namespace
+
+at::DataPtr take_pooled_block(int64_t nbytes) {
+  {
+    auto& state = pool();
+    std::lock_guard<std::mutex> lock(state.mutex);
+    for (auto it = state.free_blocks.rbegin(); it != state.free_blocks.rend(); ++it) {
+      if (it->nbytes != nbytes) continue;
+      auto block = std::move(it->block);
+      state.free_blocks.erase(std::next(it).base());
+      return block;
+    }
+  }
+  return c10::GetCPUAllocator()->allocate(static_cast<size_t>(nbytes));
+}
+
+void return_pooled_block(at::DataPtr block, int64_t nbytes) {
+  if (!block) return;
+  auto& state = pool();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  state.free_blocks.push_back(FreeBlock{nbytes, std::move(block)});
+  if (state.free_blocks.size() > kMaxKeptBlocks) state.free_blocks.pop_front();  // freed here
+}
+
+at::Tensor pooled_bytes(int64_t nbytes) {
+  c10::Storage storage(c10::Storage::use_byte_size_t(), static_cast<size_t>(nbytes), take_pooled_block(nbytes),
+                       /*allocator=*/nullptr, /*resizable=*/false);
+  return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
+}
+
+void return_pooled_bytes(const at::Tensor& tensor) {
+  if (!tensor.defined()) return;
+  auto* storage = tensor.storage().unsafeGetStorageImpl();
+  const auto nbytes = static_cast<int64_t>(storage->nbytes());
+  auto block = storage->set_data_ptr(at::DataPtr(nullptr, tensor.device()));
+  storage->set_nbytes(0);
+  return_pooled_block(std::move(block), nbytes);
+}
+
+int64_t pooled_free_bytes() {
+  auto& state = pool();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  int64_t total = 0;
+  for (const auto& free_block : state.free_blocks) total += free_block.nbytes;
+  return total;
+}
+
+}  // namespace fsdp::detail
