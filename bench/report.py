@@ -63,8 +63,7 @@ def main():
     steps = {}
     for row in rows:
         if row["benchmark"] == "step":
-            strategy = (row["strategy"] + (" sharded per block" if row.get("init") == "per-block" else "")
-                        + (", retained memory limited" if row.get("host_memory") == "limit" else ""))
+            strategy = row["strategy"] + (", retained memory limited" if row.get("host_memory") == "limit" else "")
             key = (row.get("model", "mlp"), row["parameters"], strategy, row.get("prefetch", "on"), row["world_size"])
             steps.setdefault(key, []).append(row)
 

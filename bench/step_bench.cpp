@@ -60,7 +60,7 @@ int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor
 }  // namespace
 
 int main(int argc, char** argv) {
-  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", init = "whole", host_memory = "default";
+  std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", host_memory = "default";
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
@@ -74,19 +74,17 @@ int main(int argc, char** argv) {
     else if (flag == "--batch") batch = std::stoll(value);
     else if (flag == "--length") length = std::stoll(value);
     else if (flag == "--vocab") vocab = std::stoll(value);
-    else if (flag == "--init") init = value;
     else if (flag == "--host-memory") host_memory = value;
     else {
       std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
                    "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
-                   "[--length TOKENS] [--vocab V] [--init whole|per-block] [--host-memory default|limit]\n";
+                   "[--length TOKENS] [--vocab V] [--host-memory default|limit]\n";
       return 2;
     }
   }
   if ((model_kind != "mlp" && model_kind != "llama") || (prefetch != "on" && prefetch != "off") ||
-      (init != "whole" && init != "per-block") || (host_memory != "limit" && host_memory != "default")) {
-    std::cerr << "step_bench: --model takes mlp or llama, --prefetch on or off, --init whole or per-block, "
-                 "--host-memory limit or default\n";
+      (host_memory != "limit" && host_memory != "default")) {
+    std::cerr << "step_bench: --model takes mlp or llama, --prefetch on or off, --host-memory default or limit\n";
     return 2;
   }
   try {
@@ -100,26 +98,8 @@ int main(int argc, char** argv) {
     std::vector<std::shared_ptr<torch::nn::Module>> units;
     std::function<torch::Tensor(const torch::Tensor&)> loss_of;
     torch::Tensor input;
-    fsdp::FullyShardOptions options;
-    if (!single) {
-      options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
-      options.implicit_prefetch = prefetch == "on";
-    }
-    std::vector<int64_t> unit_bytes;
-    auto full_bytes = [](const torch::nn::Module& unit) {
-      int64_t bytes = 0;
-      for (const auto& parameter : unit.parameters()) bytes += parameter.numel() * parameter.element_size();
-      return bytes;
-    };
     if (model_kind == "mlp") {
-      // --init per-block shards each block as soon as it is built, so no rank ever holds the whole
-      // model (what meta-device init buys in PyTorch); whole builds everything first, as DDP must.
-      Stack stack(width, hidden, init == "per-block" ? 0 : blocks);
-      for (int64_t index = static_cast<int64_t>(stack->layers.size()); index < blocks; ++index) {
-        stack->layers.push_back(stack->register_module("block" + std::to_string(index), Block(width, hidden)));
-        unit_bytes.push_back(full_bytes(*stack->layers.back()));
-        if (!single) fsdp::fully_shard(stack->layers.back().ptr(), context, options);
-      }
+      Stack stack(width, hidden, blocks);
       for (auto& layer : stack->layers) units.push_back(layer.ptr());
       model = stack.ptr();
       input = torch::randn({batch / world, width});
@@ -141,29 +121,31 @@ int main(int argc, char** argv) {
         return fsdp::models::causal_lm_loss(logits, tokens.narrow(1, 1, tokens.size(1) - 1));
       };
     }
-    if (unit_bytes.empty()) {
-      for (const auto& unit : units) unit_bytes.push_back(full_bytes(*unit));
-    }
-    // Parameters as Python counts them (a tied weight once): the blocks' (every parameter is fp32)
-    // and those outside every block, which the root unit holds and, as FSDP2's root, does not
-    // reshard after forward.
-    int64_t root_parameters = 0;
+    // Parameters as Python counts them (a tied weight once), and those outside every block, which
+    // the root unit holds and, as FSDP2's root, does not reshard after forward.
+    int64_t parameters = 0, root_parameters = 0;
+    std::vector<int64_t> unit_bytes;
     {
       std::unordered_set<const void*> seen, in_blocks;
       for (const auto& unit : units) {
-        for (const auto& parameter : unit->parameters()) in_blocks.insert(parameter.unsafeGetTensorImpl());
+        int64_t bytes = 0;
+        for (const auto& parameter : unit->parameters()) {
+          in_blocks.insert(parameter.unsafeGetTensorImpl());
+          bytes += parameter.numel() * parameter.element_size();
+        }
+        unit_bytes.push_back(bytes);
       }
       for (const auto& parameter : model->parameters()) {
-        if (in_blocks.count(parameter.unsafeGetTensorImpl()) || !seen.insert(parameter.unsafeGetTensorImpl()).second) continue;
-        root_parameters += parameter.numel();
+        if (!seen.insert(parameter.unsafeGetTensorImpl()).second) continue;
+        parameters += parameter.numel();
+        if (!in_blocks.count(parameter.unsafeGetTensorImpl())) root_parameters += parameter.numel();
       }
     }
-    int64_t parameters = root_parameters;
-    for (const int64_t bytes : unit_bytes) parameters += bytes / 4;
     if (!single) {
-      for (auto& unit : units) {
-        if (!fsdp::is_fsdp_module(*unit)) fsdp::fully_shard(unit, context, options);
-      }
+      fsdp::FullyShardOptions options;
+      options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
+      options.implicit_prefetch = prefetch == "on";
+      for (auto& unit : units) fsdp::fully_shard(unit, context, options);
       fsdp::fully_shard(model, context, options);
     }
     int64_t working_set_peak = 0;
@@ -226,11 +208,11 @@ int main(int argc, char** argv) {
     ::getrusage(RUSAGE_SELF, &usage);
     if (context.rank() == 0) {
       std::printf("{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
-                  "\"prefetch\": \"%s\", \"init\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
+                  "\"prefetch\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
                   "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"model_state_bytes_per_rank\": %lld, "
                   "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
                   "\"peak_rss_mb\": %.1f}\n",
-                  model_kind.c_str(), strategy.c_str(), prefetch.c_str(), init.c_str(), host_memory.c_str(), static_cast<long long>(world),
+                  model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
                   static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
                   theory, static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
                   static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),
