@@ -1,7 +1,7 @@
 // Keeping freed host memory from staying resident.
 //
 // A training step allocates and frees large blocks many times (autograd's full-size gradients and
-// activations; FSDP's own unit-sized buffers come from a small pool, src/engine/buffer_pool.h).
+// activations; FSDP's own unit-sized buffers come from a small pool, src/memory/buffer_pool.h).
 // glibc's malloc serves a block of more than M_MMAP_THRESHOLD bytes with its own mapping, returned
 // to the system on free, but raises that threshold to the size of every such block freed (up to
 // 32 MiB), so later blocks of that size come from the heap, whose free space stays resident. Fixing

@@ -89,18 +89,6 @@ void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& 
   }
 }
 
-void check_no_unit_inside_checkpointed_module(const std::shared_ptr<torch::nn::Module>& model) {
-  for (const auto& [name, module] : module_children_bottom_up(model)) {
-    if (!is_checkpointed(*module)) continue;
-    for (const auto& inner : module->named_modules("", /*include_self=*/false)) {
-      TORCH_CHECK(!is_fsdp_module(*inner.value()), "fsdp2_prepare_model: activation checkpointing would wrap '",
-                  name, "', which contains the FSDP unit '", name, ".", inner.key(),
-                  "'; this engine cannot reduce a unit's gradients during a recomputation. Use "
-                  "TRANSFORMER_BASED_WRAP, whose checkpointed modules lie inside the units, or raise min_num_params");
-    }
-  }
-}
-
 }  // namespace
 
 FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {
@@ -181,7 +169,6 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     root_options.reshard_after_forward.reset();
     fully_shard(model, context, root_options);
   }
-  if (plugin.activation_checkpointing) check_no_unit_inside_checkpointed_module(model);
   if (efficient_loading) {
     std::unique_ptr<TensorListSource> source;
     if (context.rank() == 0) source = std::make_unique<TensorListSource>(std::move(original_state), "rank 0's weights");

@@ -17,6 +17,8 @@
 #include <mutex>
 #include <sstream>
 
+#include "memory/buffer_pool.h"
+
 namespace fsdp {
 namespace detail {
 
@@ -27,35 +29,6 @@ struct BackendStore {
 
 struct BackendGroup {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
-
-  // Receive buffers of finished reduce-scatters, kept for the next ones: a fresh buffer costs a page
-  // fault per 4 KiB (31 ms for 64 MB here, more than the transfer), and the same unit sizes recur every
-  // step. At most kKeptScratchBuffers stay, the largest ones, since at most two reductions overlap.
-  static constexpr size_t kKeptScratchBuffers = 2;
-  std::mutex scratch_mutex;
-  std::vector<at::Tensor> scratch_buffers;
-
-  at::Tensor take_scratch(int64_t bytes) {
-    std::lock_guard<std::mutex> lock(scratch_mutex);
-    auto best = scratch_buffers.end();
-    for (auto candidate = scratch_buffers.begin(); candidate != scratch_buffers.end(); ++candidate) {
-      if (candidate->numel() >= bytes && (best == scratch_buffers.end() || candidate->numel() < best->numel())) {
-        best = candidate;
-      }
-    }
-    if (best == scratch_buffers.end()) return at::empty({bytes}, at::kByte);
-    auto buffer = std::move(*best);
-    scratch_buffers.erase(best);
-    return buffer;
-  }
-
-  void return_scratch(at::Tensor buffer) {
-    std::lock_guard<std::mutex> lock(scratch_mutex);
-    scratch_buffers.push_back(std::move(buffer));
-    std::sort(scratch_buffers.begin(), scratch_buffers.end(),
-              [](const at::Tensor& left, const at::Tensor& right) { return left.numel() > right.numel(); });
-    if (scratch_buffers.size() > kKeptScratchBuffers) scratch_buffers.resize(kKeptScratchBuffers);
-  }
 };
 
 struct CollectiveWorkState {
@@ -387,10 +360,10 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
   }
 
   // Row r of `received` is rank r's chunk for this rank: (N-1)/N of the buffer crosses the wire.
+  // From the pool of unit-sized blocks: a fresh buffer costs a page fault per 4 KiB (31 ms for 64 MB
+  // here, more than the transfer), and the same sizes recur every step.
   const int64_t chunk_bytes = shard_numel * input.element_size();
-  auto& backend = *group.backend;
-  auto scratch = backend.take_scratch(group.size * chunk_bytes);
-  auto received_bytes = scratch.narrow(0, 0, group.size * chunk_bytes);
+  auto received_bytes = detail::pooled_bytes(group.size * chunk_bytes);
   auto received = received_bytes.view(input.scalar_type()).view({group.size, shard_numel});
   auto send_bytes = as_bytes(send);
   received_bytes.narrow(0, group.rank * chunk_bytes, chunk_bytes)
@@ -399,11 +372,10 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
       group, [&](int64_t peer) { return send_bytes.narrow(0, peer * chunk_bytes, chunk_bytes); },
       [&](int64_t peer) { return received_bytes.narrow(0, peer * chunk_bytes, chunk_bytes); });
   group.bytes_reduce_scatter += (group.size - 1) * chunk_bytes;
-  auto keep_backend = group.backend;
   return pending_work(group, std::move(works), describe(group, "reduce_scatter", input),
-                      [send, received, scratch, finish_rows, keep_backend] {
+                      [send, received, finish_rows] {
                         finish_rows(received);
-                        keep_backend->return_scratch(scratch);
+                        detail::return_pooled_bytes(received);
                       });
 }
 

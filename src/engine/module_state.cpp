@@ -81,7 +81,7 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::forward_prefetch_targets(Par
   }
   const size_t position = forward_order_.size();
   forward_order_.push_back(&group);
-  if (group.has_explicit_forward_prefetch()) return lock_all(group.forward_prefetch());
+  if (group.forward_prefetch()) return lock_all(*group.forward_prefetch());
   if (!root_->options().implicit_prefetch) return {};
   if (position + 1 >= previous_forward_order_.size() || previous_forward_order_[position] != &group) return {};
   ParamGroup* next = previous_forward_order_[position + 1];
@@ -94,7 +94,7 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(Pa
   const bool has_index = !indices.empty();
   const size_t index = has_index ? indices.back() : 0;
   if (has_index) indices.pop_back();
-  if (group.has_explicit_backward_prefetch()) return lock_all(group.backward_prefetch());
+  if (group.backward_prefetch()) return lock_all(*group.backward_prefetch());
   if (!root_->options().implicit_prefetch || !has_index || index == 0) return {};
   ParamGroup* previous = post_forward_order_[index - 1];
   if (previous == &group) return {};
@@ -126,15 +126,11 @@ void RootState::finish_backward() {
 void RootState::track_reduction(std::shared_ptr<ParamGroup> group) {
   constexpr size_t kMaxInFlight = 2;
   reductions_in_flight_.push_back(std::move(group));
-  while (reductions_in_flight_.size() > kMaxInFlight) {
-    auto oldest = reductions_in_flight_.front();
-    reductions_in_flight_.pop_front();
-    oldest->finish_reduction();
-  }
+  finish_reductions(kMaxInFlight);
 }
 
-void RootState::finish_reductions() {
-  while (!reductions_in_flight_.empty()) {
+void RootState::finish_reductions(size_t keep_in_flight) {
+  while (reductions_in_flight_.size() > keep_in_flight) {
     auto oldest = reductions_in_flight_.front();
     reductions_in_flight_.pop_front();
     oldest->finish_reduction();

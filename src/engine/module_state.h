@@ -12,7 +12,8 @@
 // the unit's outputs all-gather it again before its backward and queue, once, a callback on the
 // autograd engine; when backward finishes it reduces the units still pending (those whose inputs did
 // not require grad, and units nobody forwarded) in reverse forward order and then in reverse creation
-// order, reshards everything and puts the sharded gradients back.
+// order, reshards everything and puts the sharded gradients back. A forward without grad mode frees
+// every unit of the tree, root included, when the root's forward returns.
 //
 // [Note: prefetch]
 // On CUDA, FSDP2 overlaps the next unit's all-gather with the current unit's compute because the CPU
@@ -21,8 +22,7 @@
 // after it in the previous forward; backward: FSDP2's default, the unit before it in post-forward
 // order), and only then waits for its own. Collectives must be issued in the same order on every
 // rank; both choices depend only on the sequence of units run, which every rank shares anyway. A
-// mistargeted prefetch costs one all-gather and is resharded at the end of the iteration. A forward without grad mode frees
-// every unit of the tree, root included, when the root's forward returns.
+// mistargeted prefetch costs one all-gather and is resharded at the end of the iteration.
 #pragma once
 
 #include <deque>
@@ -61,8 +61,8 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void end_iteration(bool check = true);
   /// A unit issued its reduction; the oldest beyond two in flight is finished now.
   void track_reduction(std::shared_ptr<ParamGroup> group);
-  /// Finishes every reduction in flight, in issue order.
-  void finish_reductions();
+  /// Finishes reductions in flight, oldest first, until at most `keep_in_flight` remain.
+  void finish_reductions(size_t keep_in_flight = 0);
 
  private:
   std::shared_ptr<ParamGroup> root_;

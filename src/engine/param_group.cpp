@@ -7,7 +7,7 @@
 
 #include <fsdp/collectives.h>
 
-#include "engine/buffer_pool.h"
+#include "memory/buffer_pool.h"
 #include "engine/module_state.h"
 
 namespace fsdp::detail {

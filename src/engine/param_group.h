@@ -131,26 +131,18 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// any use of the unit, completes it.
   void unshard(bool async_op = false);
   void wait_for_unshard();
-  /// Whether an all-gather was issued and not yet waited for.
-  bool unshard_in_flight() const { return unshard_in_flight_.has_value(); }
   /// Points the parameters back at their shards and frees the unsharded buffer (after completing an
   /// all-gather in flight: every rank issued it, so every rank must finish it).
   void reshard();
 
   /// Explicit prefetch targets (FSDP2's set_modules_to_forward_prefetch / _backward_prefetch). When
   /// set they replace the implicit choice made by RootState for this unit.
-  void set_forward_prefetch(std::vector<std::weak_ptr<ParamGroup>> targets) {
-    forward_prefetch_ = std::move(targets);
-    has_explicit_forward_prefetch_ = true;
-  }
-  void set_backward_prefetch(std::vector<std::weak_ptr<ParamGroup>> targets) {
-    backward_prefetch_ = std::move(targets);
-    has_explicit_backward_prefetch_ = true;
-  }
-  bool has_explicit_forward_prefetch() const { return has_explicit_forward_prefetch_; }
-  bool has_explicit_backward_prefetch() const { return has_explicit_backward_prefetch_; }
-  const std::vector<std::weak_ptr<ParamGroup>>& forward_prefetch() const { return forward_prefetch_; }
-  const std::vector<std::weak_ptr<ParamGroup>>& backward_prefetch() const { return backward_prefetch_; }
+  using PrefetchList = std::vector<std::weak_ptr<ParamGroup>>;
+  void set_forward_prefetch(PrefetchList targets) { forward_prefetch_ = std::move(targets); }
+  void set_backward_prefetch(PrefetchList targets) { backward_prefetch_ = std::move(targets); }
+  /// Unset unless set explicitly.
+  const std::optional<PrefetchList>& forward_prefetch() const { return forward_prefetch_; }
+  const std::optional<PrefetchList>& backward_prefetch() const { return backward_prefetch_; }
   /// Indices of this unit's post-forwards in the tree's post-forward order; the default backward
   /// prefetch pops the last one (FSDP2's _post_forward_indices).
   std::vector<size_t>& post_forward_indices() { return post_forward_indices_; }
@@ -210,10 +202,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   int64_t pending_input_gradients_ = 0;
   std::optional<PendingReduction> reduction_in_flight_;
   std::optional<PendingUnshard> unshard_in_flight_;
-  std::vector<std::weak_ptr<ParamGroup>> forward_prefetch_;
-  std::vector<std::weak_ptr<ParamGroup>> backward_prefetch_;
-  bool has_explicit_forward_prefetch_ = false;
-  bool has_explicit_backward_prefetch_ = false;
+  std::optional<PrefetchList> forward_prefetch_;
+  std::optional<PrefetchList> backward_prefetch_;
   std::vector<size_t> post_forward_indices_;
   /// Set by the first pre-backward hook since the last reduction: outputs each carry a hook, and
   /// only the first of them prefetches.

@@ -1,4 +1,4 @@
-#include "engine/buffer_pool.h"
+#include "memory/buffer_pool.h"
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>

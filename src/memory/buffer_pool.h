@@ -1,9 +1,9 @@
 // Unit-sized host buffers kept for reuse across units and steps (what PyTorch's CUDA caching allocator
-// does for FSDP on GPUs). Each step allocates and frees the gathered parameters, the all-gather
-// output and the reduce-scatter input of every unit; from malloc, a fresh block of that size either
-// costs a page fault per 4 KiB (a mapping of its own) or stays resident in the heap after it is freed
-// (glibc serves such sizes from the heap once one was freed). The pool hands the same few blocks
-// round: the memory it keeps is bounded by kMaxKeptBlocks blocks.
+// does for FSDP on GPUs). Each step allocates and frees, for every unit, the gathered parameters, the
+// all-gather output, the reduce-scatter input and its receive buffer (src/dist). From malloc, a fresh
+// block of that size either costs a page fault per 4 KiB (a mapping of its own) or stays resident in
+// the heap after it is freed (glibc serves such sizes from the heap once one was freed). The pool
+// hands the same few blocks round: the memory it keeps is bounded by kMaxKeptBlocks blocks.
 #pragma once
 
 #include <ATen/core/Tensor.h>

@@ -4,7 +4,7 @@
 
 #include <ATen/ATen.h>
 
-#include "engine/buffer_pool.h"
+#include "memory/buffer_pool.h"
 
 namespace fsdp::detail {
 namespace {
