@@ -1,6 +1,6 @@
 """The peer of step_bench: the same model (MLP blocks, or the Llama of src/models/llama.cpp written
-out in PyTorch) and batch under PyTorch's DistributedDataParallel (Gloo, CPU), with Debian's
-python3-torch. Run it under `fsdp launch` (torchrun's variables)."""
+out in PyTorch) and batch under PyTorch's DistributedDataParallel (Gloo, CPU), with the project
+venv's torch. Run it under `fsdp launch` (torchrun's variables)."""
 import argparse
 import json
 import math

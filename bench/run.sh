@@ -6,6 +6,9 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${FSDP_BUILD_DIR:-$root/build}/bin"
+# The peers (PyTorch DDP) run in the project venv's torch, the libtorch our binaries link.
+python="${FSDP_VENV:-$root/.venv}/bin/python"
+[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
 smoke=0
 [[ "${1:-}" == "--smoke" ]] && smoke=1
 results="$(mktemp -d)/results.jsonl"
@@ -28,25 +31,25 @@ for round in $(seq "$rounds"); do
     launch "$n" "$bin/step_bench" --strategy FULL_SHARD --prefetch off "${sizes[@]}"
     # HYBRID_SHARD on two simulated machines of n/2 ranks each: torchrun's variables set by hand, since
     # `fsdp launch` rightly refuses a loopback master for a job of two machines.
-    port="$(/usr/bin/python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+    port="$("$python" -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
     for (( rank = n - 1; rank >= 0; rank-- )); do
       RANK=$rank WORLD_SIZE=$n LOCAL_RANK=$(( rank % (n / 2) )) LOCAL_WORLD_SIZE=$(( n / 2 )) GROUP_RANK=$(( rank / (n / 2) )) \
         MASTER_ADDR=127.0.0.1 MASTER_PORT=$port OMP_NUM_THREADS=1 \
         "$bin/step_bench" --strategy HYBRID_SHARD "${sizes[@]}" >> "$results" &
     done
     wait
-    launch "$n" /usr/bin/python3 "$root/bench/ddp_peer.py" "${sizes[@]}"
+    launch "$n" "$python" "$root/bench/ddp_peer.py" "${sizes[@]}"
     for strategy in FULL_SHARD NO_SHARD; do
       launch "$n" "$bin/step_bench" --strategy "$strategy" "${llama[@]}"
     done
-    launch "$n" /usr/bin/python3 "$root/bench/ddp_peer.py" "${llama[@]}"
+    launch "$n" "$python" "$root/bench/ddp_peer.py" "${llama[@]}"
   done
   OMP_NUM_THREADS=1 "$bin/step_bench" --strategy SINGLE "${sizes[@]}" >> "$results"
 done
 # Memory cap: both peers on a model three times as deep, at the largest world size; FULL_SHARD also
 # with limit_retained_host_memory (host_memory.h).
 launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD "${big_sizes[@]}"
-launch "${world_sizes[-1]}" /usr/bin/python3 "$root/bench/ddp_peer.py" "${big_sizes[@]}"
+launch "${world_sizes[-1]}" "$python" "$root/bench/ddp_peer.py" "${big_sizes[@]}"
 for model_sizes in "${sizes[*]}" "${big_sizes[*]}"; do
   read -r -a model_sizes <<< "$model_sizes"
   launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD --host-memory limit "${model_sizes[@]}"
@@ -59,4 +62,4 @@ if (( smoke )); then
 else
   "$bin/merge_bench" --bytes 1GB >> "$results"
 fi
-/usr/bin/python3 "$root/bench/report.py" "$results" "$root/bench/README.md" "$smoke" "bench/run.sh $*"
+"$python" "$root/bench/report.py" "$results" "$root/bench/README.md" "$smoke" "bench/run.sh $*"

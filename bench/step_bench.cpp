@@ -180,7 +180,7 @@ int main(int argc, char** argv) {
     for (const auto& parameter : model->parameters()) {
       if (!counted.insert(parameter.unsafeGetTensorImpl()).second) continue;  // a tied weight, once
       state_bytes += static_cast<int64_t>(parameter.storage().nbytes()) + bytes_of(parameter.grad());
-      auto found = optimizer.state().find(c10::guts::to_string(parameter.unsafeGetTensorImpl()));
+      auto found = optimizer.state().find(fsdp::optimizer_state_key(parameter));
       if (found != optimizer.state().end()) {
         auto& adam = static_cast<torch::optim::AdamWParamState&>(*found->second);
         state_bytes += bytes_of(adam.exp_avg()) + bytes_of(adam.exp_avg_sq());

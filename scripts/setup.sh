@@ -1,19 +1,56 @@
 #!/usr/bin/env bash
-# Installs the Debian packages fsdp.cpp needs, if any are missing, then configures and builds into
-# build/. Idempotent: with everything present it only runs an incremental build.
-# Sourced by run.sh and test.sh; usable alone: scripts/setup.sh
+# Installs what fsdp.cpp needs, if anything is missing, then configures and builds into build/:
+#   1. Debian packages: the compiler, CMake, Ninja, the header libraries, and Gloo's headers.
+#   2. The project venv (.venv/, git-ignored) with requirements.txt: torch 2.13.0, whose libtorch
+#      the build links, and the peers (accelerate, transformers, safetensors, numpy) that tests and
+#      benchmarks compare against. The binaries never need Python: they find libtorch by RPATH.
+#   3. CMake against that libtorch (or FSDP_TORCH_PREFIX), then an incremental build.
+# Idempotent: with everything present it only runs an incremental build.
+# Environment: FSDP_BUILD_DIR (default build/), FSDP_VENV (default .venv/), FSDP_PYTHON (the Python
+# that creates the venv; default python3.11, else python3), FSDP_TORCH_PREFIX (another libtorch:
+# its directory holding share/cmake/Torch, e.g. an unpacked official libtorch archive),
+# FSDP_BUILD_JOBS. Used by run.sh and test.sh; usable alone: scripts/setup.sh
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 build_dir="${FSDP_BUILD_DIR:-$root/build}"
+venv="${FSDP_VENV:-$root/.venv}"
+requirements="$root/requirements.txt"
+min_torch=2.13
+
+fail() {
+  echo "setup: $*" >&2
+  exit 1
+}
+
+# --- 1. Debian packages -------------------------------------------------------------------------
+[[ -r /etc/debian_version ]] ||
+  fail "no /etc/debian_version: this script installs Debian 12/13 packages. Elsewhere install a C++20 compiler, CMake >= 3.18, Ninja, nlohmann-json, yaml-cpp, CLI11, GoogleTest and Gloo's headers, then run cmake as the README says."
+debian_major="$(cut -d. -f1 /etc/debian_version)"
+case "$debian_major" in
+  12 | 13) ;;
+  *) echo "setup: warning: Debian '$(cat /etc/debian_version)' is untested (tested: 12 and 13); going on" >&2 ;;
+esac
 
 packages=(
   g++ cmake ninja-build
-  libtorch-dev libgloo-dev
-  nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libspdlog-dev
-  libgtest-dev libbenchmark-dev
-  python3-torch  # a peer for tests and benchmarks only; never needed at run time
+  nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libgtest-dev
+  libgloo-dev  # headers only, for the declarations c10d's ProcessGroupGloo.hpp includes; never linked
 )
+
+# The Python that creates the venv. The torch 2.13.0 wheel of these machines is for Python 3.11.
+python="${FSDP_PYTHON:-}"
+if [[ -z "$python" ]]; then
+  if command -v python3.11 >/dev/null; then python=python3.11; else python=python3; fi
+fi
+python_path="$(command -v "$python" || true)"
+if [[ -z "$python_path" ]]; then
+  if [[ -n "${FSDP_PYTHON:-}" ]]; then fail "FSDP_PYTHON='$FSDP_PYTHON' is not an executable; point it at a Python 3.11 (or unset it)."; fi
+  packages+=(python3 python3-venv)
+elif [[ "$python_path" == /usr/bin/* ]] && ! "$python_path" -c 'import ensurepip, venv' 2>/dev/null; then
+  # Debian splits venv (and the pip it bootstraps) out of its Python.
+  packages+=("python$("$python_path" -c 'import sys; print("%d.%d" % sys.version_info[:2])')-venv")
+fi
 
 missing=()
 for package in "${packages[@]}"; do
@@ -23,15 +60,68 @@ if ((${#missing[@]})); then
   echo "setup: installing missing Debian packages: ${missing[*]}"
   sudo_prefix=()
   if [[ $(id -u) -ne 0 ]]; then
-    command -v sudo >/dev/null || { echo "setup: need root (or sudo) to install: ${missing[*]}" >&2; exit 1; }
+    command -v sudo >/dev/null || fail "need root (or sudo) to install: ${missing[*]}"
     sudo_prefix=(sudo)
   fi
   "${sudo_prefix[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_prefix[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
+python_path="$(command -v "$python" || true)"
+[[ -n "$python_path" ]] || fail "no '$python' on PATH after installing python3; set FSDP_PYTHON to a Python 3.11."
+"$python_path" -c 'import venv, ensurepip' 2>/dev/null ||
+  fail "$python_path has no venv/ensurepip module, which the project venv needs. Fix: apt-get install python3-venv (Debian's Python), or set FSDP_PYTHON to a Python that has venv."
 
+# --- 2. The project venv ------------------------------------------------------------------------
+venv_python="$venv/bin/python"
+if [[ -e "$venv" ]] && ! "$venv_python" -c 'import sys' >/dev/null 2>&1; then
+  echo "setup: $venv is broken (its python does not start, e.g. the Python it was made from is gone); recreating it"
+  rm -rf "$venv"
+fi
+if [[ ! -e "$venv" ]]; then
+  echo "setup: creating the project venv $venv with $python_path ($("$python_path" --version 2>&1))"
+  "$python_path" -m venv "$venv" || fail "'$python_path -m venv $venv' failed (see above). Fix: apt-get install python3-venv, or set FSDP_PYTHON."
+fi
+stamp="$venv/.fsdp-requirements.sha256"
+wanted="$(sha256sum "$requirements" | cut -d' ' -f1)"
+if [[ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]] || ! "$venv_python" -c 'import torch' >/dev/null 2>&1; then
+  echo "setup: installing requirements.txt into $venv"
+  mkdir -p "$build_dir"
+  log="$build_dir/pip-install.log"
+  if ! "$venv_python" -m pip install --no-input --disable-pip-version-check -r "$requirements" >"$log" 2>&1; then
+    tail -n 15 "$log" >&2
+    fail "pip could not install requirements.txt into $venv (full log: $log). torch==2.13.0 comes from the machine's wheel cache for Python 3.11 ($("$venv_python" --version 2>&1) here); set FSDP_PYTHON to a Python 3.11, or remove $venv and retry."
+  fi
+  echo "$wanted" >"$stamp"
+fi
+"$venv_python" -c 'import torch, accelerate, transformers, safetensors, numpy' 2>/dev/null ||
+  fail "$venv lacks one of torch, accelerate, transformers, safetensors, numpy although requirements.txt was installed. Fix: rm -rf $venv and run scripts/setup.sh again."
+
+# --- 3. libtorch, CMake, build ------------------------------------------------------------------
+if [[ -n "${FSDP_TORCH_PREFIX:-}" ]]; then
+  torch_prefix="$FSDP_TORCH_PREFIX"
+  [[ -d "$torch_prefix" ]] || fail "FSDP_TORCH_PREFIX='$torch_prefix' is not a directory; point it at a libtorch (the folder holding share/cmake/Torch)."
+else
+  torch_prefix="$("$venv_python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)" ||
+    fail "the venv's torch does not say where its libtorch is (torch.utils.cmake_prefix_path). Fix: rm -rf $venv and run scripts/setup.sh again."
+fi
+torch_version_file="$(find "$torch_prefix" -maxdepth 4 -name TorchConfigVersion.cmake -path '*Torch*' 2>/dev/null | head -n 1)"
+[[ -n "$torch_version_file" ]] || fail "no TorchConfigVersion.cmake under '$torch_prefix': that is not a libtorch. Fix: unset FSDP_TORCH_PREFIX or point it at a libtorch >= $min_torch."
+torch_version="$(sed -n 's/^set(PACKAGE_VERSION "\([^"]*\)").*/\1/p' "$torch_version_file")"
+if [[ "$(printf '%s\n%s\n' "$min_torch" "$torch_version" | sort -V | head -n 1)" != "$min_torch" ]]; then
+  fail "libtorch $torch_version at $torch_prefix is too old: fsdp.cpp needs libtorch >= $min_torch. Fix: unset FSDP_TORCH_PREFIX (the venv's torch 2.13.0 is used) or point it at a newer libtorch."
+fi
+
+# Reconfigure from scratch when the cache points at another libtorch (say, a build made before the
+# switch from Debian's libtorch 1.13): CMake cannot change a found package in place.
+cache="$build_dir/CMakeCache.txt"
+if [[ -f "$cache" ]] && ! grep -qx "CMAKE_PREFIX_PATH:[A-Z]*=$torch_prefix" "$cache"; then
+  echo "setup: $build_dir was configured against another libtorch; configuring it again"
+  rm -rf "$cache" "$build_dir/CMakeFiles"
+fi
 jobs="${FSDP_BUILD_JOBS:-$(nproc)}"
-if [[ ! -f "$build_dir/CMakeCache.txt" ]]; then
-  cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release
+if [[ ! -f "$cache" ]]; then
+  cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+    "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DFSDP_TEST_PYTHON=$venv_python" ||
+    fail "CMake could not configure $build_dir (its error is above)."
 fi
 cmake --build "$build_dir" -j "$jobs"

@@ -3,9 +3,9 @@
 // Free functions, no knowledge of modules or parameters. Layout contract (FSDP's): a full buffer of
 // N * s elements is N equal shards of s elements, shard r belonging to group rank r; callers pad.
 //
-// Every dtype works, including bf16 and bool, which libtorch 1.13's Gloo rejects: payloads travel as
-// bytes and reductions are done locally. Reduce-scatter is an all-to-all plus a local sum, so each
-// rank sends (N-1)/N of the buffer rather than the 2(N-1)/N of an all-reduce followed by a slice.
+// Every dtype works: payloads travel as bytes and reductions are done locally. Reduce-scatter is an
+// exchange plus a local sum, so each rank sends (N-1)/N of the buffer rather than the 2(N-1)/N of an
+// all-reduce followed by a slice (Note [Collectives on Gloo], docs/design.md).
 // Low-precision floating sums accumulate in fp32 and are summed in rank order, so results are
 // deterministic.
 //

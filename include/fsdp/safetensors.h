@@ -24,8 +24,8 @@ namespace fsdp {
 
 /// "F32", "BF16", ... for a libtorch dtype. Throws for dtypes safetensors has no name for.
 std::string safetensors_dtype_name(c10::ScalarType dtype);
-/// The libtorch dtype of a safetensors dtype name. Names libtorch 1.13 lacks (F8_*, U16, F4, ...)
-/// throw, naming the dtype.
+/// The libtorch dtype of a safetensors dtype name. The sub-byte names (F4, F6_*) throw, naming the
+/// dtype.
 c10::ScalarType safetensors_scalar_type(const std::string& dtype);
 
 struct SafetensorsTensorInfo {

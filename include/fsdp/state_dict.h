@@ -94,6 +94,10 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
 // ---------------------------------------------------------------------------------------------
 // Optimizer
 
+/// The key of `parameter` in torch::optim::Optimizer::state(): libtorch keys it by the parameter's
+/// TensorImpl.
+inline void* optimizer_state_key(const at::Tensor& parameter) { return parameter.unsafeGetTensorImpl(); }
+
 /// An optimizer's state keyed by parameter name.
 struct OptimizerStateDict {
   /// "AdamW", "Adam", "SGD", "Adagrad" or "RMSprop".
@@ -136,8 +140,9 @@ std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accel
                                                               const TensorList& full_state_dict,
                                                               bool cpu_offload = false);
 
-/// Frees every parameter's memory while keeping its shape and dtype: libtorch 1.13 cannot turn a
-/// meta-device tensor into a real one in place, so this is how a model becomes "meta" here.
+/// Frees every parameter's memory while keeping its shape and dtype: libtorch cannot turn a
+/// meta-device tensor into a real one in place (docs/engine.md, meta device), so this is how a model
+/// becomes "meta" here.
 /// fully_shard gives such parameters zero-filled shards, to be filled by a state-dict load.
 void release_parameter_storage(torch::nn::Module& model);
 

@@ -2,7 +2,8 @@
 //
 // Writing uses libtorch's own pickler, whose output Python's torch.load reads; reading accepts those
 // files and Python's torch.save of plain dicts, lists, tuples, numbers, strings and tensors
-// (libtorch 1.13 cannot unpickle an OrderedDict: save `dict(state_dict)` from Python).
+// (tests/io/tensor_files_crosscheck_test.cpp). libtorch 2.13's unpickler still cannot build an
+// OrderedDict, which model.state_dict() returns: that is a named error; save `dict(state_dict)`.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -15,7 +16,9 @@
 
 namespace fsdp {
 
-/// Writes `value` atomically (temporary name, fsync, rename).
+/// Writes `value` atomically (temporary name, fsync, rename), loadable by torch.load(weights_only=True).
+/// Tensors must have a dtype torch.save writes with a legacy storage class (float64/32/16, bf16,
+/// int64/32/16/8, uint8, bool, complex); others (float8, uint16/32/64) are an error naming the dtype.
 void save_torch_file(const std::string& path, const c10::IValue& value);
 /// Reads a torch.save file. Errors name the file.
 c10::IValue load_torch_file(const std::string& path);

@@ -40,9 +40,8 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
   }
   TORCH_CHECK(mixed_precision_ == "no" || mixed_precision_ == "bf16" || mixed_precision_ == "fp16",
               "Accelerator: mixed_precision is '", mixed_precision_, "'; expected 'no', 'bf16' or 'fp16'");
-  TORCH_CHECK(mixed_precision_ != "fp16",
-              "Accelerator: mixed_precision 'fp16' needs half-precision matrix multiplication, which libtorch's CPU "
-              "kernels do not implement (addmm for Half); use 'bf16' on CPU");
+  // fp16 on CPU runs without a gradient scaler, as Accelerate does there (it makes a GradScaler on
+  // accelerators only): docs/engine.md, mixed precision.
   plugin_ = options.fsdp_plugin ? *options.fsdp_plugin
                                 : FullyShardedDataParallelPlugin(FullyShardedDataParallelPluginArgs{}, environment);
   // As AcceleratorState does: the accelerator's precision fills a plugin that has no policy.

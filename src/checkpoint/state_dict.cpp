@@ -136,8 +136,6 @@ std::unordered_map<const c10::TensorImpl*, const ModelTensor*> by_impl(const std
   return map;
 }
 
-std::string optimizer_key(const at::Tensor& parameter) { return c10::guts::to_string(parameter.unsafeGetTensorImpl()); }
-
 /// Whether a state tensor is laid out like its parameter's shard (so it is sharded the same way).
 bool sharded_like_parameter(const ModelTensor& entry, const at::Tensor& state) {
   return is_sharded(entry) && state.dim() > 0 && state.sizes() == at::IntArrayRef(entry.sharded->layout.sharded_sizes);
@@ -372,7 +370,7 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
                   shape_text(parameter.sizes()), " that is not a parameter of the model");
       const ModelTensor& entry = *owner->second;
       names.push_back(entry.name);
-      auto state = optimizer.state().find(optimizer_key(parameter));
+      auto state = optimizer.state().find(optimizer_state_key(parameter));
       if (state == optimizer.state().end()) continue;
       for (const auto& [field, value] : detail::state_fields(result.optimizer, *state->second)) {
         ShardedTensor sharded;
@@ -488,7 +486,7 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
                     "' has shape ", shape_text(global_shape(entry)), "; the checkpoint belongs to another model");
         fields.emplace_back(field, local.contiguous());
       }
-      const auto key = optimizer_key(parameter);
+      const auto key = optimizer_state_key(parameter);
       if (fields.empty()) {
         optimizer.state().erase(key);
       } else {

@@ -37,6 +37,8 @@ Command add_env_command(CLI::App& parent) {
     auto variables = current_process_environment();
     std::cout << "fsdp.cpp version:     " << version() << "\n"
               << "libtorch version:     " << torch_version() << "\n"
+              << "libtorch CXX11 ABI:   " << (torch_cxx11_abi() ? "1" : "0") << "\n"
+              << "libtorch library:     " << torch_library_path() << "\n"
               << "backends:             gloo (CPU); nccl: not in this build; mpi: not in this build\n"
               << "CPU cores:            " << std::thread::hardware_concurrency() << "\n"
               << "intra-op threads:     " << at::get_num_threads() << "\n"

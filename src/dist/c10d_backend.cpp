@@ -1,9 +1,8 @@
 // The only file that talks to c10d: rendezvous store, Gloo process groups and every collective.
 //
-// Gloo in libtorch 1.13 has no reduce_scatter, no _allgather_base, no bf16 or bool reductions, and
-// divides by zero on empty buffers. So: payloads always travel as bytes (all-gather and reduce-scatter
-// as point-to-point exchanges between the caller's buffers, the reduce-scatter then summing locally),
-// reductions that Gloo cannot do are done locally, and empty buffers never reach Gloo.
+// Note [Collectives on Gloo] in docs/design.md says what each collective is built from and why, and
+// Note [Reaching Gloo from the torch wheel] how this file compiles against a libtorch that ships no
+// Gloo headers.
 #include "dist/c10d_backend.h"
 
 #include <fsdp/collectives.h>
@@ -187,8 +186,7 @@ c10d::ProcessGroupGloo& gloo(const ProcessGroupState& group) {
 // Posts, for every peer, a receive of its chunk into `received_chunk(peer)` and a send of
 // `sent_chunk(peer)` to it. Point-to-point Gloo sends and receives move bytes straight between the
 // caller's buffers on the transport's threads: no staging copy, no fresh flat buffer per call and all
-// peers at once. Gloo 1.13's list allgather does all three (measured 1.35x slower than an all-reduce
-// of the same buffer at 2 ranks), which is why the all-gather and reduce-scatter are built from these.
+// peers at once: Note [Collectives on Gloo].
 std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupState& group,
                                                                 const std::function<at::Tensor(int64_t)>& sent_chunk,
                                                                 const std::function<at::Tensor(int64_t)>& received_chunk) {
@@ -242,6 +240,8 @@ bool gloo_reduces_natively(at::ScalarType dtype) {
     case at::kFloat:
     case at::kDouble:
     case at::kHalf:
+    case at::kBFloat16:
+    case at::kBool:
     case at::kChar:
     case at::kByte:
     case at::kInt:
@@ -398,7 +398,7 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
     group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
     return pending_work(group, std::move(work), describe(group, "all_reduce", tensor));
   }
-  // bf16, bool, int16: reduce-scatter then all-gather through our byte path. Done synchronously so
+  // int16 and the rest: reduce-scatter then all-gather through our byte path. Done synchronously so
   // that the two collectives cannot interleave with collectives the caller issues meanwhile.
   const int64_t shard_numel = (tensor.numel() + group.size - 1) / group.size;
   auto padded = at::zeros({shard_numel * group.size}, tensor.options());

@@ -31,12 +31,12 @@ const std::vector<DtypeEntry>& dtype_table() {
   static const std::vector<DtypeEntry> table = {
       {"BOOL", 8, c10::kBool},      {"F4", 4, std::nullopt},          {"F6_E2M3", 6, std::nullopt},
       {"F6_E3M2", 6, std::nullopt}, {"U8", 8, c10::kByte},           {"I8", 8, c10::kChar},
-      {"F8_E5M2", 8, std::nullopt}, {"F8_E4M3", 8, std::nullopt},     {"F8_E8M0", 8, std::nullopt},
-      {"F8_E4M3FNUZ", 8, std::nullopt}, {"F8_E5M2FNUZ", 8, std::nullopt}, {"I16", 16, c10::kShort},
-      {"U16", 16, std::nullopt},    {"F16", 16, c10::kHalf},         {"BF16", 16, c10::kBFloat16},
-      {"I32", 32, c10::kInt},       {"U32", 32, std::nullopt},       {"F32", 32, c10::kFloat},
+      {"F8_E5M2", 8, c10::kFloat8_e5m2}, {"F8_E4M3", 8, c10::kFloat8_e4m3fn}, {"F8_E8M0", 8, c10::kFloat8_e8m0fnu},
+      {"F8_E4M3FNUZ", 8, c10::kFloat8_e4m3fnuz}, {"F8_E5M2FNUZ", 8, c10::kFloat8_e5m2fnuz}, {"I16", 16, c10::kShort},
+      {"U16", 16, c10::kUInt16},    {"F16", 16, c10::kHalf},         {"BF16", 16, c10::kBFloat16},
+      {"I32", 32, c10::kInt},       {"U32", 32, c10::kUInt32},       {"F32", 32, c10::kFloat},
       {"C64", 64, c10::kComplexFloat}, {"F64", 64, c10::kDouble},    {"I64", 64, c10::kLong},
-      {"U64", 64, std::nullopt},
+      {"U64", 64, c10::kUInt64},
   };
   return table;
 }
@@ -111,7 +111,8 @@ c10::ScalarType safetensors_scalar_type(const std::string& dtype) {
   const auto* entry = find_dtype(dtype);
   TORCH_CHECK(entry, "unknown safetensors dtype '", dtype, "'");
   TORCH_CHECK(entry->scalar_type, "safetensors dtype '", dtype,
-              "' has no libtorch 1.13 equivalent; convert the file's tensors to F32, F16 or BF16 first");
+              "' packs values into fewer than 8 bits, which fsdp.cpp does not read; convert the file's tensors to "
+              "F32, F16, BF16 or an F8 dtype first");
   return *entry->scalar_type;
 }
 

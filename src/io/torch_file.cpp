@@ -12,9 +12,36 @@
 
 namespace fsdp {
 
+namespace {
+
+// The dtypes Python's torch.save writes through a legacy storage class (torch.FloatStorage, ...) and
+// _rebuild_tensor_v2, which is what libtorch's pickler writes and what torch.load(weights_only=True)
+// accepts. Newer dtypes (float8, uint16/32/64) go through _rebuild_tensor_v3 in Python, which
+// libtorch neither writes nor reads.
+bool has_legacy_storage_class(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kDouble:
+    case c10::kFloat:
+    case c10::kHalf:
+    case c10::kBFloat16:
+    case c10::kLong:
+    case c10::kInt:
+    case c10::kShort:
+    case c10::kChar:
+    case c10::kByte:
+    case c10::kBool:
+    case c10::kComplexFloat:
+    case c10::kComplexDouble:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
 void save_torch_file(const std::string& path, const c10::IValue& value) {
-  const std::vector<char> bytes = torch::pickle_save(value);
-  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { sink(bytes.data(), bytes.size()); });
+  save_torch_file_streaming(path, value, [](const at::Tensor& tensor) { return tensor; });
 }
 
 at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType dtype) {
@@ -27,12 +54,20 @@ at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType
 void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
                                const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize) {
   std::vector<char> pickle;
+  // Untagged aggregates: a tagged dict is a call of torch.jit._pickle.restore_type_tag, which
+  // torch.load(weights_only=True), the default since PyTorch 2.6, refuses to run.
   torch::jit::Pickler pickler([&](const char* bytes, size_t size) { pickle.insert(pickle.end(), bytes, bytes + size); },
-                              nullptr, nullptr, nullptr);
+                              nullptr, nullptr, nullptr, nullptr, /*tag_aggregates=*/false);
   pickler.protocol();
   pickler.pushIValue(value);
   pickler.stop();
   const auto placeholders = pickler.tensorData();
+  for (const auto& placeholder : placeholders) {
+    TORCH_CHECK(has_legacy_storage_class(placeholder.scalar_type()), "torch file '", path, "': a tensor of dtype ",
+                placeholder.scalar_type(),
+                " cannot be written in torch.save's format by libtorch (Python writes it with _rebuild_tensor_v3, "
+                "which libtorch lacks). Save such tensors in safetensors instead, or convert them first.");
+  }
   detail::write_file_atomically(path, [&](const detail::ByteSink& sink) {
     caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t size) -> size_t {
       sink(bytes, size);
@@ -60,8 +95,17 @@ c10::IValue load_torch_file(const std::string& path) {
   try {
     return torch::pickle_load(bytes);
   } catch (const c10::Error& error) {
-    TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", error.what_without_backtrace(),
-                ". Expected a torch.save zip of plain dicts, lists and tensors (save dict(state_dict) from Python)");
+    // libtorch's unpickler turns collections.OrderedDict into None and then fails an internal assert.
+    TORCH_CHECK(std::string(error.what_without_backtrace()).find("Expected GenericDict but got None") ==
+                    std::string::npos,
+                "cannot read torch file '", path, "': it holds an OrderedDict (what model.state_dict() returns), "
+                "which libtorch's unpickler cannot read; save dict(state_dict) or a safetensors file instead");
+    const std::string what = error.what_without_backtrace();
+    const bool newer_dtype = what.find("_rebuild_tensor_v3") != std::string::npos;
+    TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", what,
+                newer_dtype ? ". The file holds a tensor of a dtype torch.save writes with _rebuild_tensor_v3 (float8, "
+                              "uint16/32/64), which libtorch cannot read; save it with safetensors instead"
+                            : ". Expected a torch.save zip of dicts, lists and tensors");
   }
 }
 

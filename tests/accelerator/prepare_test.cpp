@@ -106,18 +106,18 @@ TEST(Fsdp2PrepareModel, ActivationCheckpointingOfBlockChildrenTrainsLikeSinglePr
   testing::run_on_ranks(2, [](const DistributedContext& context) { train_prepared_and_compare(context, true, true); });
 }
 
-TEST(Fsdp2PrepareModel, MixedPrecisionUpcastsTrainableParametersToFp32) {
+void expect_prepare_upcasts_to_fp32(const std::string& mixed_precision, c10::ScalarType dtype) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});
   testing::MlpStack model;
-  model->to(torch::kBFloat16);
-  auto accelerator = make_accelerator(context, "no_wrap", "bf16");
+  model->to(dtype);
+  auto accelerator = make_accelerator(context, "no_wrap", mixed_precision);
   ASSERT_TRUE(accelerator.fsdp_plugin().mixed_precision_policy);
-  EXPECT_EQ(*accelerator.fsdp_plugin().mixed_precision_policy->param_dtype, torch::kBFloat16);
+  EXPECT_EQ(*accelerator.fsdp_plugin().mixed_precision_policy->param_dtype, dtype);
   torch::optim::AdamW optimizer(unique_parameters(*model));
   accelerator.prepare(model, optimizer);
   for (const auto& parameter : model->parameters()) EXPECT_EQ(parameter.scalar_type(), torch::kFloat);
   auto output = fsdp::forward(model, torch::randn({4, 3}));
-  EXPECT_EQ(output.scalar_type(), torch::kBFloat16);  // output_dtype bf16, as Accelerate sets it
+  EXPECT_EQ(output.scalar_type(), dtype);  // output_dtype = the precision, as Accelerate sets it
   output.to(torch::kFloat).pow(2).mean().backward();
   optimizer.step();
   for (const auto& parameter : model->parameters()) {
@@ -125,6 +125,13 @@ TEST(Fsdp2PrepareModel, MixedPrecisionUpcastsTrainableParametersToFp32) {
     EXPECT_EQ(parameter.grad().scalar_type(), torch::kFloat);
   }
 }
+
+TEST(Fsdp2PrepareModel, MixedPrecisionUpcastsTrainableParametersToFp32) {
+  expect_prepare_upcasts_to_fp32("bf16", torch::kBFloat16);
+}
+
+// fp16 on CPU, as Accelerate runs it there: no GradScaler (Accelerate makes one on GPUs only).
+TEST(Fsdp2PrepareModel, Fp16MixedPrecisionRunsOnCpu) { expect_prepare_upcasts_to_fp32("fp16", torch::kHalf); }
 
 TEST(Fsdp2PrepareModel, CpuRamEfficientLoadingTakesRankZerosWeights) {
   testing::run_on_ranks(3, [](const DistributedContext& context) {
@@ -188,10 +195,10 @@ TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
       << message;
   message = testing::error_message_of([&] {
     AcceleratorOptions options;
-    options.mixed_precision = "fp16";
+    options.mixed_precision = "fp8";
     Accelerator(context, options, EnvironmentMap{});
   });
-  EXPECT_NE(message.find("use 'bf16' on CPU"), std::string::npos) << message;
+  EXPECT_NE(message.find("mixed_precision is 'fp8'; expected 'no', 'bf16' or 'fp16'"), std::string::npos) << message;
 }
 
 }  // namespace

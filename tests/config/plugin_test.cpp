@@ -334,10 +334,10 @@ TEST(Plugin, WarningsAreOneReadableMessage) {
   std::vector<std::string> emitted;
   struct Capture : c10::WarningHandler {
     std::vector<std::string>* out;
-    void process(const c10::SourceLocation&, const std::string& message, const bool) override { out->push_back(message); }
+    void process(const c10::Warning& warning) override { out->push_back(warning.msg()); }
   } capture;
   capture.out = &emitted;
-  c10::Warning::WarningHandlerGuard guard(&capture);
+  c10::WarningUtils::WarningHandlerGuard guard(&capture);
   resolve_plugin(args, {});
   ASSERT_EQ(emitted.size(), 1u);
   EXPECT_NE(emitted[0].find("FullyShardedDataParallelPlugin: 2 warnings:\n  - backward_prefetch"), std::string::npos) << emitted[0];

@@ -10,7 +10,11 @@ function(run_step)
   message(STATUS "${output}")
 endfunction()
 run_step(${CMAKE_COMMAND} --install "${FSDP_BUILD_DIR}" --prefix "${WORK_DIR}/prefix")
+# Only fsdp's prefix: its package config finds the libtorch it was built with.
 run_step(${CMAKE_COMMAND} -S "${CONSUMER_SOURCE_DIR}" -B "${WORK_DIR}/build" -DCMAKE_BUILD_TYPE=Release
          "-DCMAKE_PREFIX_PATH=${WORK_DIR}/prefix")
 run_step(${CMAKE_COMMAND} --build "${WORK_DIR}/build")
 run_step("${WORK_DIR}/build/consumer")
+# Installed files find libtorch by RPATH too.
+run_step("${LINKAGE_TEST}" "${TORCH_LIBRARY_DIR}" "${WORK_DIR}/prefix/lib/libfsdp.so" "${WORK_DIR}/prefix/bin/fsdp"
+         "${WORK_DIR}/build/consumer")

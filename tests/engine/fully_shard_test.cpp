@@ -189,7 +189,7 @@ TEST(FullyShard, EachRankStoresOnlyItsShardOfParametersAndOptimizerState) {
       ASSERT_TRUE(parameter.grad().defined());
       EXPECT_EQ(parameter.grad().sizes(), parameter.sizes());
       auto& state = static_cast<torch::optim::AdamWParamState&>(
-          *optimizer.state().at(c10::guts::to_string(parameter.unsafeGetTensorImpl())));
+          *optimizer.state().at(optimizer_state_key(parameter)));
       EXPECT_EQ(state.exp_avg().numel(), parameter.numel());
       EXPECT_EQ(state.exp_avg_sq().numel(), parameter.numel());
     }
@@ -470,16 +470,16 @@ TEST(FullyShard, RanksUsingDifferentParametersOfAUnitAgreeOnTheCollectives) {
   });
 }
 
-TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) {
-  testing::run_on_ranks(2, [](const DistributedContext& context) {
+void expect_mixed_precision_trains(c10::ScalarType param_dtype) {
+  testing::run_on_ranks(2, [param_dtype](const DistributedContext& context) {
     auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     FullyShardOptions options;
-    options.mixed_precision.param_dtype = torch::kBFloat16;
+    options.mixed_precision.param_dtype = param_dtype;
     options.mixed_precision.reduce_dtype = torch::kFloat;
     shard_mlp(sharded, context, options);
     auto [inputs, targets] = mlp_batch(0);
     auto output = fsdp::forward(sharded, local_slice(inputs, context));
-    EXPECT_EQ(output.scalar_type(), torch::kBFloat16);
+    EXPECT_EQ(output.scalar_type(), param_dtype);
     auto loss = mse(output.to(torch::kFloat), local_slice(targets, context));
     loss.backward();
     for (const auto& parameter : unique_parameters(*sharded)) {
@@ -491,6 +491,11 @@ TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) {
     EXPECT_NEAR(global_mean(context, loss), expected, 0.02 * expected);
   });
 }
+
+TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) { expect_mixed_precision_trains(torch::kBFloat16); }
+
+// libtorch 2.x multiplies fp16 matrices on CPU (1.13 had no addmm for Half).
+TEST(FullyShard, MixedPrecisionComputesInFloat16AndKeepsFp32Shards) { expect_mixed_precision_trains(torch::kHalf); }
 
 TEST(FullyShard, EvaluationWithoutGradFreesEveryUnitIncludingTheRoot) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {

@@ -3,6 +3,7 @@
 #include "launch/process_set.h"
 
 #include <c10/util/Exception.h>
+#include <torch/version.h>
 #include <gtest/gtest.h>
 
 #include <csignal>
@@ -181,7 +182,14 @@ TEST_F(LaunchTest, EnvCommandReportsTheParsedLayout) {
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("[rank 1]: parsed:               launcher=torchrun rank=1 world_size=2"), std::string::npos)
       << result.output;
-  EXPECT_NE(result.output.find("libtorch version:     1.13"), std::string::npos) << result.output;
+  // The version and ABI of the headers this test was compiled with, and the libtorch it was linked to.
+  EXPECT_NE(result.output.find(std::string("libtorch version:     ") + TORCH_VERSION + "\n"), std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find(std::string("libtorch CXX11 ABI:   ") + (_GLIBCXX_USE_CXX11_ABI ? "1" : "0")),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("libtorch library:     /"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("libtorch_cpu.so"), std::string::npos) << result.output;
 }
 
 TEST_F(LaunchTest, ConfigFileSetsProcessCountsAndExportsFsdpVariables) {

@@ -13,6 +13,7 @@
 #include "engine/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/python_peer.h"
 
 namespace fsdp {
 namespace {
@@ -95,17 +96,10 @@ TEST(Merge, ShardedOutputTorchBinAndOptimizerDirectories) {
   EXPECT_EQ(fs::path(bin.files[0]).filename(), "pytorch_model.bin");
   TensorListSource from_bin(tensor_dict_items(load_torch_file(bin.files[0]), bin.files[0]));
   expect_same_tensors(from_bin, root + "/full.safetensors");
-  if (std::system("/usr/bin/python3 -c 'import torch' >/dev/null 2>&1") == 0) {
-    const auto command = "/usr/bin/python3 -c 'import torch; d = torch.load(\"" + bin.files[0] +
-                         "\"); print(\"keys\", len(d), float(d[\"norm.weight\"].sum()))' 2>&1";
-    FILE* pipe = ::popen(command.c_str(), "r");
-    ASSERT_TRUE(pipe);
-    std::string output;
-    char buffer[256];
-    while (std::fgets(buffer, sizeof(buffer), pipe)) output += buffer;
-    ::pclose(pipe);
-    EXPECT_NE(output.find("keys " + std::to_string(from_bin.size())), std::string::npos) << output;
-  }
+  const auto python = testing::run_python_code("import torch; d = torch.load('" + bin.files[0] +
+                                               "', weights_only=True); print('keys', len(d), float(d['norm.weight'].sum()))");
+  ASSERT_TRUE(python.ok);
+  EXPECT_NE(python.output.at(0).find("keys " + std::to_string(from_bin.size())), std::string::npos) << python.output.at(0);
 
   // The optimizer: safetensors with "state.<parameter>.<field>" keys and the groups in the metadata,
   // or the nested optimizer.bin of a FULL checkpoint.

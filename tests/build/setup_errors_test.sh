@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# scripts/setup.sh on bad input: each case ends with exit 1 and one line on stderr that names what is
+# missing and the fix, before any CMake run. Nothing here touches the real build directory.
+# Usage: setup_errors_test.sh REPOSITORY_ROOT VENV_DIR
+set -uo pipefail
+root="$1"
+venv="$2"
+scratch="$(mktemp -d)"
+trap 'rm -rf "$scratch"' EXIT
+failures=0
+
+expect_error() {  # NAME EXPECTED_TEXT ENVIRONMENT...
+  local name="$1" expected="$2"
+  shift 2
+  env FSDP_BUILD_DIR="$scratch/build" "$@" "$root/scripts/setup.sh" >"$scratch/out" 2>"$scratch/err"
+  local status=$?
+  local lines
+  lines="$(grep -c '' "$scratch/err")"
+  if [[ $status -ne 1 || $lines -ne 1 ]] || ! grep -qF -- "$expected" "$scratch/err"; then
+    echo "FAIL $name: exit $status, $lines stderr line(s); expected exit 1 and one line with: $expected"
+    sed 's/^/  stderr: /' "$scratch/err"
+    failures=$((failures + 1))
+  else
+    echo "ok   $name: $(cat "$scratch/err")"
+  fi
+  [[ ! -e "$scratch/build/CMakeCache.txt" ]] || { echo "FAIL $name: CMake ran"; failures=$((failures + 1)); }
+}
+
+expect_error "missing python" "FSDP_PYTHON='/nonexistent/python3.11' is not an executable" \
+  FSDP_PYTHON=/nonexistent/python3.11 FSDP_VENV="$scratch/venv"
+
+printf '#!/bin/sh\nexit 1\n' >"$scratch/python-without-venv"
+chmod +x "$scratch/python-without-venv"
+expect_error "python without venv" "has no venv/ensurepip module" \
+  FSDP_PYTHON="$scratch/python-without-venv" FSDP_VENV="$scratch/venv"
+
+mkdir -p "$scratch/old-libtorch/share/cmake/Torch"
+echo 'set(PACKAGE_VERSION "1.13.1")' >"$scratch/old-libtorch/share/cmake/Torch/TorchConfigVersion.cmake"
+expect_error "libtorch too old" "libtorch 1.13.1 at $scratch/old-libtorch is too old: fsdp.cpp needs libtorch >= 2.13" \
+  FSDP_VENV="$venv" FSDP_TORCH_PREFIX="$scratch/old-libtorch"
+
+mkdir -p "$scratch/not-libtorch"
+expect_error "not a libtorch" "no TorchConfigVersion.cmake under '$scratch/not-libtorch'" \
+  FSDP_VENV="$venv" FSDP_TORCH_PREFIX="$scratch/not-libtorch"
+
+echo "$failures failure(s)"
+((failures == 0))
