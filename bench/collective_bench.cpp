@@ -1,9 +1,12 @@
 // Benchmark: our all-gather and reduce-scatter against Gloo's own all-reduce of the same buffer (the
-// ceiling on this loopback), and a SHARDED checkpoint's save and load against cp of the same bytes.
+// ceiling on this loopback) and against Gloo's own all-gather and reduce-scatter of the same buffers
+// (Note [Collectives on Gloo]), and a SHARDED checkpoint's save and load against cp of the same bytes.
 // Run under `fsdp launch`; rank 0 prints one JSON line per measurement.
 //
 //   fsdp launch --nproc-per-node 2 -- build/bin/collective_bench [--megabytes 64] [--directory /tmp/x]
 #include <fsdp/fsdp.h>
+
+#include "dist/c10d_backend.h"
 
 #include <torch/torch.h>
 
@@ -53,10 +56,16 @@ int main(int argc, char** argv) {
     const double gather = median_seconds(context, 5, [&] { fsdp::all_gather(context.world(), full, shard); });
     const double scatter = median_seconds(context, 5, [&] { fsdp::reduce_scatter(context.world(), shard, full); });
     const double reduce = median_seconds(context, 5, [&] { fsdp::all_reduce(context.world(), full); });
+    const double native_gather =
+        median_seconds(context, 5, [&] { fsdp::detail::native_all_gather(context.world(), full, shard); });
+    const double native_scatter =
+        median_seconds(context, 5, [&] { fsdp::detail::native_reduce_scatter(context.world(), shard, full); });
     if (context.rank() == 0) {
       std::printf("{\"benchmark\": \"collectives\", \"world_size\": %lld, \"bytes\": %lld, \"all_gather_s\": %.4f, "
-                  "\"reduce_scatter_s\": %.4f, \"all_reduce_s\": %.4f}\n",
-                  static_cast<long long>(world), static_cast<long long>(numel * 4), gather, scatter, reduce);
+                  "\"reduce_scatter_s\": %.4f, \"all_reduce_s\": %.4f, \"native_all_gather_s\": %.4f, "
+                  "\"native_reduce_scatter_s\": %.4f}\n",
+                  static_cast<long long>(world), static_cast<long long>(numel * 4), gather, scatter, reduce,
+                  native_gather, native_scatter);
     }
     // SHARDED checkpoint throughput: every rank writes its rows (fsynced), then reads them back.
     fsdp::ShardedTensorList tensors;

@@ -148,11 +148,16 @@ def main():
     collectives = [row for row in rows if row["benchmark"] == "collectives"]
     if collectives:
         lines += ["| ranks | buffer | our all-gather (s) | our reduce-scatter (s) | Gloo all-reduce (s) | all-gather / all-reduce "
-                  "| reduce-scatter / all-reduce |", "|---|---|---|---|---|---|---|"]
+                  "| reduce-scatter / all-reduce | Gloo all-gather (s) | Gloo reduce-scatter (s) | ours / Gloo all-gather "
+                  "| ours / Gloo reduce-scatter |", "|---|---|---|---|---|---|---|---|---|---|---|"]
         for row in collectives:
+            native = "native_all_gather_s" in row
             lines.append(f"| {row['world_size']} | {row['bytes'] / 1e6:.0f} MB | {row['all_gather_s']:.4f} | "
                          f"{row['reduce_scatter_s']:.4f} | {row['all_reduce_s']:.4f} | "
-                         f"{row['all_gather_s'] / row['all_reduce_s']:.2f} | {row['reduce_scatter_s'] / row['all_reduce_s']:.2f} |")
+                         f"{row['all_gather_s'] / row['all_reduce_s']:.2f} | {row['reduce_scatter_s'] / row['all_reduce_s']:.2f} | "
+                         + (f"{row['native_all_gather_s']:.4f} | {row['native_reduce_scatter_s']:.4f} | "
+                            f"{row['all_gather_s'] / row['native_all_gather_s']:.2f} | "
+                            f"{row['reduce_scatter_s'] / row['native_reduce_scatter_s']:.2f} |" if native else "- | - | - | - |"))
         lines.append("")
     checkpoints = [row for row in rows if row["benchmark"] == "sharded_checkpoint"]
     if checkpoints:

@@ -448,4 +448,27 @@ void barrier(const ProcessGroup& group_handle) {
       .wait();
 }
 
+namespace detail {
+
+void native_all_gather(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
+  auto& group = group_handle.state();
+  if (group.size == 1) return;
+  at::Tensor output_handle = output;  // c10d takes non-const handles to the same tensors
+  at::Tensor input_handle = input;
+  auto work = gloo(group)._allgather_base(output_handle, input_handle);
+  pending_work(group, std::move(work), describe(group, "native all_gather", output)).wait();
+}
+
+void native_reduce_scatter(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
+  auto& group = group_handle.state();
+  if (group.size == 1) return;
+  c10d::ReduceScatterOptions options;
+  options.reduceOp = c10d::ReduceOp::SUM;
+  at::Tensor output_handle = output;
+  at::Tensor input_handle = input;
+  auto work = gloo(group)._reduce_scatter_base(output_handle, input_handle, options);
+  pending_work(group, std::move(work), describe(group, "native reduce_scatter", input)).wait();
+}
+
+}  // namespace detail
 }  // namespace fsdp

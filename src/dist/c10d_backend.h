@@ -1,5 +1,5 @@
 // Private: the seam between fsdp.cpp and c10d. Only c10d_backend.cpp includes c10d headers, so a
-// libtorch 2.x or NCCL build changes that one file.
+// new backend (NCCL) changes that one file.
 #pragma once
 
 #include <atomic>
@@ -57,5 +57,11 @@ std::shared_ptr<ProcessGroupState> create_process_group(const std::shared_ptr<Ba
                                                         const DistributedEnvironment& environment,
                                                         const std::string& name,
                                                         const std::vector<int64_t>& global_ranks);
+
+/// Gloo's own all-gather (`_allgather_base`) and reduce-scatter (`_reduce_scatter_base`, sum) on the
+/// same buffers as fsdp::all_gather and fsdp::reduce_scatter: the measurement behind Note
+/// [Collectives on Gloo], for bench/collective_bench only. Synchronous; not in the byte counters.
+void native_all_gather(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
+void native_reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
 
 }  // namespace fsdp::detail

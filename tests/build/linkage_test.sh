@@ -12,18 +12,18 @@ shift 2
 status=0
 for binary in "$libfsdp" "$@"; do
   listing="$(env -u LD_LIBRARY_PATH ldd "$binary")"
+  before=$status
   if grep -q "not found" <<<"$listing"; then
     echo "FAIL $binary: libraries not found without LD_LIBRARY_PATH:"; grep "not found" <<<"$listing"; status=1
   fi
   if grep -qi "libpython" <<<"$listing"; then
     echo "FAIL $binary links libpython:"; grep -i libpython <<<"$listing"; status=1
   fi
-  torch_line="$(grep -E '^\s*libtorch_cpu\.so' <<<"$listing" || true)"
-  torch_path="$(awk '{print $3}' <<<"$torch_line")"
-  if [[ -z "$torch_path" || "$(realpath "$(dirname "$torch_path")")" != "$torch_lib_dir" ]]; then
+  torch_path="$(awk '$1 == "libtorch_cpu.so" && $2 == "=>" {print $3; exit}' <<<"$listing")"
+  if [[ -z "$torch_path" || ! -e "$torch_path" || "$(realpath "$(dirname "$torch_path")")" != "$torch_lib_dir" ]]; then
     echo "FAIL $binary: libtorch_cpu.so resolves to '${torch_path:-nothing}', expected it in $torch_lib_dir"; status=1
   fi
-  echo "ok   $binary: libtorch_cpu.so from $torch_path, no libpython"
+  ((status != before)) || echo "ok   $binary: libtorch_cpu.so from $torch_path, no libpython"
 done
 defined="$(nm -DC --defined-only "$libfsdp")"
 grep -q "fsdp::all_gather" <<<"$defined" || { echo "FAIL nm listed no fsdp::all_gather in $libfsdp"; exit 1; }

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # scripts/setup.sh on bad input: each case ends with exit 1 and one line on stderr that names what is
-# missing and the fix, before any CMake run. Nothing here touches the real build directory.
+# missing and the fix, before any CMake run; and CMake's own refusal of an old libtorch. Nothing here
+# touches the real build directory.
 # Usage: setup_errors_test.sh REPOSITORY_ROOT VENV_DIR
 set -uo pipefail
 root="$1"
@@ -42,6 +43,20 @@ expect_error "libtorch too old" "libtorch 1.13.1 at $scratch/old-libtorch is too
 mkdir -p "$scratch/not-libtorch"
 expect_error "not a libtorch" "no TorchConfigVersion.cmake under '$scratch/not-libtorch'" \
   FSDP_VENV="$venv" FSDP_TORCH_PREFIX="$scratch/not-libtorch"
+
+# CMake itself, configured by hand against an old libtorch: the same refusal, naming the version.
+mkdir -p "$scratch/old-libtorch-cmake/share/cmake/Torch"
+echo 'set(PACKAGE_VERSION "1.13.1")
+set(PACKAGE_VERSION_COMPATIBLE TRUE)' >"$scratch/old-libtorch-cmake/share/cmake/Torch/TorchConfigVersion.cmake"
+echo 'set(Torch_FOUND TRUE)' >"$scratch/old-libtorch-cmake/share/cmake/Torch/TorchConfig.cmake"
+cmake -S "$root" -B "$scratch/cmake-build" "-DCMAKE_PREFIX_PATH=$scratch/old-libtorch-cmake" >"$scratch/out" 2>&1
+status=$?
+# CMake wraps long messages: compare with the lines joined.
+if [[ $status -ne 0 ]] && tr -s '\n ' '  ' <"$scratch/out" | grep -q "libtorch 1.13.1 at [^ ]* is too old: fsdp.cpp needs libtorch >= 2.13"; then
+  echo "ok   cmake with libtorch 1.13.1: refused by name"
+else
+  echo "FAIL cmake with libtorch 1.13.1: exit $status"; cat "$scratch/out"; failures=$((failures + 1))
+fi
 
 echo "$failures failure(s)"
 ((failures == 0))

@@ -72,23 +72,17 @@ MultiRankOptions simulated_machines(int ranks_per_machine) {
 
 bool is_rank_process() { return std::getenv(kRankVariable) != nullptr; }
 
-void run_processes(int world_size, const std::function<void(int rank)>& body, const MultiRankOptions& options) {
-  const int call = next_call_index();
-  if (const char* rank_text = std::getenv(kRankVariable)) {
-    const char* call_text = std::getenv(kCallVariable);
-    if (call_text && std::atoi(call_text) == call) body(std::atoi(rank_text));
-    return;
-  }
+LoopbackJobResult run_loopback_job(int world_size, const LoopbackJob& job) {
   const int port = detail::pick_free_port();
-  auto log_directory = std::filesystem::temp_directory_path() /
-                       ("fsdp_test_" + std::to_string(::getpid()) + "_" + std::to_string(port));
+  const auto log_directory = std::filesystem::temp_directory_path() /
+                             ("fsdp_test_" + std::to_string(::getpid()) + "_" + std::to_string(port));
   std::filesystem::create_directories(log_directory);
 
   std::vector<detail::ProcessSpec> specs;
-  auto base = current_process_environment();
+  const auto base = current_process_environment();
   for (int rank = 0; rank < world_size; ++rank) {
     detail::ProcessSpec spec;
-    spec.argv = {"/proc/self/exe", "--gtest_filter=" + current_test_filter(), "--gtest_brief=1"};
+    spec.argv = job.argv(rank);
     spec.environment = base;
     spec.environment["RANK"] = std::to_string(rank);
     spec.environment["WORLD_SIZE"] = std::to_string(world_size);
@@ -97,41 +91,67 @@ void run_processes(int world_size, const std::function<void(int rank)>& body, co
     spec.environment["MASTER_ADDR"] = "127.0.0.1";
     spec.environment["MASTER_PORT"] = std::to_string(port);
     spec.environment["OMP_NUM_THREADS"] = "1";
-    spec.environment["FSDP_COLLECTIVE_TIMEOUT"] = std::to_string(options.collective_timeout.count());
-    spec.environment[kRankVariable] = std::to_string(rank);
-    spec.environment[kCallVariable] = std::to_string(call);
-    spec.environment[kParentVariable] = std::to_string(::getpid());
-    if (options.environment_for_rank) {
-      for (const auto& [name, value] : options.environment_for_rank(rank)) spec.environment[name] = value;
+    if (job.environment) {
+      for (const auto& [name, value] : job.environment(rank)) spec.environment[name] = value;
     }
-    spec.label = "rank " + std::to_string(rank);
+    spec.label = job.label + " " + std::to_string(rank);
     spec.output = detail::OutputMode::kFile;
     spec.output_path = (log_directory / ("rank" + std::to_string(rank) + ".log")).string();
     specs.push_back(std::move(spec));
   }
   detail::ProcessSetOptions set_options;
-  set_options.timeout = options.timeout;
+  set_options.timeout = job.timeout;
   set_options.forward_signals = false;
-  auto result = detail::run_process_set(specs, set_options);
+  const auto outcome = detail::run_process_set(specs, set_options);
 
-  bool failed = result.timed_out;
-  for (const auto& outcome : result.outcomes) {
-    if (outcome.exit_code != 0 && !(result.timed_out && outcome.stopped_by_parent)) failed = true;
+  LoopbackJobResult result;
+  result.failed = outcome.timed_out;
+  for (const auto& process : outcome.outcomes) {
+    if (process.exit_code != 0 && !(outcome.timed_out && process.stopped_by_parent)) result.failed = true;
   }
-  if (failed) {
-    std::ostringstream report;
-    if (result.timed_out) report << "watchdog: the job ran longer than " << options.timeout.count() << " s\n";
-    for (size_t rank = 0; rank < specs.size(); ++rank) {
-      const auto& outcome = result.outcomes[rank];
-      report << "===== rank " << rank << ": exit code " << outcome.exit_code
-             << (outcome.stopped_by_parent ? (result.timed_out ? " (hung; killed by the watchdog)" : " (stopped after another rank failed)") : "")
-             << " =====\n"
-             << read_file(specs[rank].output_path) << "\n";
-    }
-    ADD_FAILURE() << report.str();
+  std::ostringstream report;
+  if (outcome.timed_out) report << "watchdog: the job ran longer than " << job.timeout.count() << " s\n";
+  for (size_t rank = 0; rank < specs.size(); ++rank) {
+    result.output.push_back(read_file(specs[rank].output_path));
+    const auto& process = outcome.outcomes[rank];
+    report << "===== " << specs[rank].label << ": exit code " << process.exit_code
+           << (process.stopped_by_parent
+                   ? (outcome.timed_out ? " (hung; killed by the watchdog)" : " (stopped after another rank failed)")
+                   : "")
+           << " =====\n"
+           << result.output.back() << "\n";
   }
+  result.report = report.str();
   std::error_code ignored;
   std::filesystem::remove_all(log_directory, ignored);
+  return result;
+}
+
+void run_processes(int world_size, const std::function<void(int rank)>& body, const MultiRankOptions& options) {
+  const int call = next_call_index();
+  if (const char* rank_text = std::getenv(kRankVariable)) {
+    const char* call_text = std::getenv(kCallVariable);
+    if (call_text && std::atoi(call_text) == call) body(std::atoi(rank_text));
+    return;
+  }
+  LoopbackJob job;
+  job.timeout = options.timeout;
+  job.argv = [](int) {
+    return std::vector<std::string>{"/proc/self/exe", "--gtest_filter=" + current_test_filter(), "--gtest_brief=1"};
+  };
+  job.environment = [&](int rank) {
+    std::map<std::string, std::string> environment = {
+        {"FSDP_COLLECTIVE_TIMEOUT", std::to_string(options.collective_timeout.count())},
+        {kRankVariable, std::to_string(rank)},
+        {kCallVariable, std::to_string(call)},
+        {kParentVariable, std::to_string(::getpid())}};
+    if (options.environment_for_rank) {
+      for (const auto& [name, value] : options.environment_for_rank(rank)) environment[name] = value;
+    }
+    return environment;
+  };
+  const auto result = run_loopback_job(world_size, job);
+  if (result.failed) ADD_FAILURE() << result.report;
 }
 
 void run_on_ranks(int world_size, const std::function<void(const DistributedContext&)>& body,

@@ -12,6 +12,7 @@
 #include <functional>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <fsdp/process_group.h>
 
@@ -34,6 +35,29 @@ std::string shared_temporary_directory();
 /// Options under which the ranks look like machines of `ranks_per_machine` ranks each (LOCAL_RANK,
 /// LOCAL_WORLD_SIZE and GROUP_RANK as a launcher on each machine would set them).
 MultiRankOptions simulated_machines(int ranks_per_machine);
+
+/// One job of processes on loopback, the shape every harness here shares: each process gets
+/// torchrun's variables for its rank (MASTER_ADDR=127.0.0.1, a free MASTER_PORT for the job,
+/// OMP_NUM_THREADS=1) plus `environment(rank)`, writes its output to a log file, and the job runs
+/// under a watchdog that stops it on the first failure or after `timeout`.
+struct LoopbackJob {
+  /// Names a process in the report: "<label> <rank>".
+  std::string label = "rank";
+  std::chrono::seconds timeout{120};
+  std::function<std::vector<std::string>(int rank)> argv;
+  std::function<std::map<std::string, std::string>(int rank)> environment;
+};
+
+struct LoopbackJobResult {
+  /// A process failed, or the watchdog stopped a hang.
+  bool failed = false;
+  /// Each process's output, by rank.
+  std::vector<std::string> output;
+  /// Every process's exit and output, for a failure message.
+  std::string report;
+};
+
+LoopbackJobResult run_loopback_job(int world_size, const LoopbackJob& job);
 
 /// True inside a rank process started by the harness.
 bool is_rank_process();

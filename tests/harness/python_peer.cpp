@@ -1,26 +1,14 @@
 #include "harness/python_peer.h"
 
-#include "launch/launcher.h"
-#include "launch/process_set.h"
+#include "harness/multi_rank.h"
 
 #include <gtest/gtest.h>
 
 #include <filesystem>
-#include <fstream>
-#include <sstream>
+#include <stdexcept>
 #include <unistd.h>
 
 namespace fsdp::testing {
-namespace {
-
-std::string read_whole_file(const std::string& path) {
-  std::ifstream file(path);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
-
-}  // namespace
 
 std::string venv_python() {
   const std::string python = FSDP_TEST_PYTHON;
@@ -46,60 +34,25 @@ PythonResult run_python_argv(const std::string& label, const std::vector<std::st
     ADD_FAILURE() << error.what();
     return result;
   }
-  const int port = detail::pick_free_port();
-  const auto log_directory = std::filesystem::temp_directory_path() /
-                             ("fsdp_python_" + std::to_string(::getpid()) + "_" + std::to_string(port));
-  std::filesystem::create_directories(log_directory);
-
-  std::vector<detail::ProcessSpec> specs;
-  const auto base = current_process_environment();
-  for (int rank = 0; rank < options.world_size; ++rank) {
-    detail::ProcessSpec spec;
-    spec.argv = {python};
-    spec.argv.insert(spec.argv.end(), python_arguments.begin(), python_arguments.end());
-    spec.environment = base;
-    spec.environment["RANK"] = std::to_string(rank);
-    spec.environment["WORLD_SIZE"] = std::to_string(options.world_size);
-    spec.environment["LOCAL_RANK"] = std::to_string(rank);
-    spec.environment["LOCAL_WORLD_SIZE"] = std::to_string(options.world_size);
-    spec.environment["MASTER_ADDR"] = "127.0.0.1";
-    spec.environment["MASTER_PORT"] = std::to_string(port);
-    spec.environment["OMP_NUM_THREADS"] = "1";
-    spec.environment["PYTHONDONTWRITEBYTECODE"] = "1";
+  LoopbackJob job;
+  job.label = label + " rank";
+  job.timeout = options.timeout;
+  job.argv = [&](int) {
+    std::vector<std::string> argv{python};
+    argv.insert(argv.end(), python_arguments.begin(), python_arguments.end());
+    return argv;
+  };
+  job.environment = [&](int) {
     // Nothing may come from a hub at test time.
-    spec.environment["HF_HUB_OFFLINE"] = "1";
-    spec.environment["TRANSFORMERS_OFFLINE"] = "1";
-    for (const auto& [name, value] : options.environment) spec.environment[name] = value;
-    spec.label = "python rank " + std::to_string(rank);
-    spec.output = detail::OutputMode::kFile;
-    spec.output_path = (log_directory / ("rank" + std::to_string(rank) + ".log")).string();
-    specs.push_back(std::move(spec));
-  }
-  detail::ProcessSetOptions set_options;
-  set_options.timeout = options.timeout;
-  set_options.forward_signals = false;
-  const auto outcome = detail::run_process_set(specs, set_options);
-
-  bool failed = outcome.timed_out;
-  for (const auto& process : outcome.outcomes) {
-    if (process.exit_code != 0 && !(outcome.timed_out && process.stopped_by_parent)) failed = true;
-  }
-  std::ostringstream report;
-  if (outcome.timed_out) report << "watchdog: " << label << " ran longer than " << options.timeout.count() << " s\n";
-  for (size_t rank = 0; rank < specs.size(); ++rank) {
-    result.output.push_back(read_whole_file(specs[rank].output_path));
-    const auto& process = outcome.outcomes[rank];
-    report << "===== " << label << " rank " << rank << ": exit code " << process.exit_code
-           << (process.stopped_by_parent ? (outcome.timed_out ? " (hung; killed by the watchdog)"
-                                                              : " (stopped after another rank failed)")
-                                         : "")
-           << " =====\n"
-           << result.output.back() << "\n";
-  }
-  if (failed) ADD_FAILURE() << report.str();
-  result.ok = !failed;
-  std::error_code ignored;
-  std::filesystem::remove_all(log_directory, ignored);
+    std::map<std::string, std::string> environment = {
+        {"PYTHONDONTWRITEBYTECODE", "1"}, {"HF_HUB_OFFLINE", "1"}, {"TRANSFORMERS_OFFLINE", "1"}};
+    for (const auto& [name, value] : options.environment) environment[name] = value;
+    return environment;
+  };
+  auto outcome = run_loopback_job(options.world_size, job);
+  if (outcome.failed) ADD_FAILURE() << outcome.report;
+  result.ok = !outcome.failed;
+  result.output = std::move(outcome.output);
   return result;
 }
 

@@ -1,11 +1,10 @@
 // Run a Python script from the project venv as part of a test: the real PyTorch, safetensors,
 // transformers and Accelerate that our behavior is compared against.
 //
-// The same rules as the multi-rank harness (multi_rank.h): `world_size` real processes with
-// torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR=127.0.0.1 and a
-// free MASTER_PORT, so parallel tests never share a port), one thread each, and a watchdog: the first
-// failing process stops the others, a hang is killed after `timeout`, and every process's output is
-// attached to the failure. The Python is the venv's (FSDP_TEST_PYTHON, set by scripts/setup.sh);
+// The same rules as the multi-rank harness, through its run_loopback_job (multi_rank.h):
+// `world_size` real processes with torchrun's variables and a free MASTER_PORT, so parallel tests
+// never share a port, one thread each, and a watchdog: the first failing process stops the others, a
+// hang is killed after `timeout`, and every process's output is attached to the failure. The Python is the venv's (FSDP_TEST_PYTHON, set by scripts/setup.sh);
 // scripts live in tests/python/.
 #pragma once
 
