@@ -111,6 +111,10 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
     }
     TORCH_CHECK(config.value("hidden_act", std::string("silu")) == "silu", "'", source, "' uses hidden_act ",
                 config["hidden_act"].dump(), "; only silu (SwiGLU) is implemented");
+    // transformers 5 writes attention_dropout (0.0 by default); this Llama has no dropout.
+    TORCH_CHECK(config.value("attention_dropout", 0.0) == 0.0, "'", source, "' sets attention_dropout ",
+                config.contains("attention_dropout") ? config["attention_dropout"].dump() : "",
+                "; this Llama has no dropout, so only 0 is implemented");
   } catch (const nlohmann::json::exception& error) {
     TORCH_CHECK(false, "Llama config '", source, "' has a field of the wrong type (", error.what(), ")");
   }
