@@ -4,6 +4,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "harness/run_command.h"
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -13,19 +15,7 @@ namespace {
 
 namespace fs = std::filesystem;
 
-struct Run {
-  int exit_code = 0;
-  std::string output;
-};
-
-Run run(const std::string& command) {
-  Run result;
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  char buffer[1024];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) result.output += buffer;
-  result.exit_code = WEXITSTATUS(::pclose(pipe));
-  return result;
-}
+using fsdp::testing::run_command;
 
 std::vector<nlohmann::json> metrics_of(const std::string& directory) {
   std::vector<nlohmann::json> lines;
@@ -69,7 +59,7 @@ class TrainLlama : public ::testing::Test {
 
 TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
   const auto uninterrupted = (root_ / "uninterrupted").string();
-  auto result = run(train_command(2, uninterrupted, ""));
+  auto result = run_command(train_command(2, uninterrupted, ""));
   ASSERT_EQ(result.exit_code, 0) << result.output;
   const auto reference = metrics_of(uninterrupted);
   ASSERT_EQ(reference.size(), 6u);
@@ -91,10 +81,10 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
 
   // Stop at step 3 with a checkpoint, then resume: the same losses as the uninterrupted run.
   const auto resumed = (root_ / "resumed").string();
-  result = run(train_command(2, resumed, "--stop-after 3"));
+  result = run_command(train_command(2, resumed, "--stop-after 3"));
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_EQ(metrics_of(resumed).size(), 3u);
-  result = run(train_command(2, resumed, "--resume-from latest"));
+  result = run_command(train_command(2, resumed, "--resume-from latest"));
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("resumed from"), std::string::npos) << result.output;
   const auto continued = metrics_of(resumed);
@@ -108,10 +98,10 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
   for (const auto& item : fs::directory_iterator(resumed + "/checkpoints")) {
     if (latest.empty() || item.path().string() > latest) latest = item.path().string();
   }
-  result = run(std::string(FSDP_CLI_PATH) + " merge-weights " + latest + "/pytorch_model_fsdp_0 " + resumed + "/merged");
+  result = run_command(std::string(FSDP_CLI_PATH) + " merge-weights " + latest + "/pytorch_model_fsdp_0 " + resumed + "/merged");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   fs::copy_file(resumed + "/final/config.json", resumed + "/merged/config.json");
-  result = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + resumed + "/merged --data " +
+  result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + resumed + "/merged --data " +
                (root_ / "eval.txt").string() + " --seq-len 32 --eval-tokens 2048");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NEAR(reported_eval_loss(result.output), trained_eval, 1e-5 * trained_eval) << result.output;
@@ -119,7 +109,7 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
   // The same global batch on 1 and 3 ranks: the same losses.
   for (int ranks : {1, 3}) {
     const auto directory = (root_ / ("ranks" + std::to_string(ranks))).string();
-    result = run(train_command(ranks, directory, ""));
+    result = run_command(train_command(ranks, directory, ""));
     ASSERT_EQ(result.exit_code, 0) << result.output;
     const auto losses = metrics_of(directory);
     ASSERT_EQ(losses.size(), reference.size());
@@ -131,14 +121,14 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
 }
 
 TEST_F(TrainLlama, BadFlagsAreErrors) {
-  auto result = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
+  auto result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_NE(result.output.find("unknown model preset 'enormous'; choose tiny, small or medium"), std::string::npos)
       << result.output;
-  result = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only");
+  result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only");
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_NE(result.output.find("--eval-only needs --init-from"), std::string::npos) << result.output;
-  EXPECT_EQ(run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --no-such-flag").exit_code, 2);
+  EXPECT_EQ(run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --no-such-flag").exit_code, 2);
 }
 
 }  // namespace

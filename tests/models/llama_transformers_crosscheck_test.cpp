@@ -17,6 +17,7 @@
 #include <fsdp/models/llama.h>
 
 #include "harness/python_peer.h"
+#include "harness/run_command.h"
 
 namespace fsdp {
 namespace {
@@ -100,20 +101,6 @@ TEST_F(LlamaTransformers, OurUntiedModelsLoadInTransformersWithTheSameLogits) {
   expect_transformers_logits((root_ / "mha").string(), crosscheck_config(false, 4));
 }
 
-struct Run {
-  int exit_code = 0;
-  std::string output;
-};
-
-Run run(const std::string& command) {
-  Run result;
-  FILE* pipe = ::popen((command + " 2>&1").c_str(), "r");
-  char buffer[1024];
-  while (std::fgets(buffer, sizeof(buffer), pipe)) result.output += buffer;
-  result.exit_code = WEXITSTATUS(::pclose(pipe));
-  return result;
-}
-
 double value_after(const std::string& text, const std::string& key) {
   const auto position = text.rfind(key);
   return position == std::string::npos ? -1.0 : std::stod(text.substr(position + key.size()));
@@ -133,7 +120,7 @@ void expect_train_llama_loss(const fs::path& root, bool tied, int kv_heads, bool
   const double expected = value_after(python.output[0], "transformers_loss=");
   ASSERT_GT(expected, 0) << python.output[0];
   EXPECT_EQ(fs::exists(root / "model" / "model.safetensors.index.json"), sharded);
-  const auto ours = run(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + model + " --data " + data +
+  const auto ours = testing::run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + model + " --data " + data +
                         " --seq-len 32 --eval-tokens 2000");
   ASSERT_EQ(ours.exit_code, 0) << ours.output;
   const double loss = value_after(ours.output, "eval_loss=");
