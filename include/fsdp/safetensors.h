@@ -113,6 +113,9 @@ int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_
 std::string serialize_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                   const std::map<std::string, std::string>& metadata);
 
+/// Every tensor of a safetensors file (copies), in data-section order.
+std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::string& path);
+
 /// Writes a safetensors file atomically (temporary name, fsync, rename) with "format": "pt" added to
 /// `metadata`, as transformers requires. Tensors are written piece by piece, never copied whole.
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,

@@ -226,8 +226,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       if (context.rank() == 0) {
         TensorList tensors;
         if (recorded == kFullModelSafetensors) {
-          SafetensorsReader reader(model_file);
-          for (const auto& info : reader.header().tensors) tensors.emplace_back(info.name, reader.tensor(info.name));
+          tensors = read_safetensors(model_file);
         } else {
           tensors = tensor_dict_items(load_torch_file(model_file), model_file);
         }

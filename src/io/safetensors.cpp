@@ -488,6 +488,13 @@ std::string serialize_safetensors(const std::vector<std::pair<std::string, at::T
   return bytes;
 }
 
+std::vector<std::pair<std::string, at::Tensor>> read_safetensors(const std::string& path) {
+  SafetensorsReader reader(path);
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  for (const auto& info : reader.header().tensors) tensors.emplace_back(info.name, reader.tensor(info.name));
+  return tensors;
+}
+
 void write_safetensors(const std::string& path, const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                        std::map<std::string, std::string> metadata) {
   metadata["format"] = "pt";

@@ -95,12 +95,11 @@ c10::IValue load_torch_file(const std::string& path) {
   try {
     return torch::pickle_load(bytes);
   } catch (const c10::Error& error) {
-    // libtorch's unpickler turns collections.OrderedDict into None and then fails an internal assert.
-    TORCH_CHECK(std::string(error.what_without_backtrace()).find("Expected GenericDict but got None") ==
-                    std::string::npos,
-                "cannot read torch file '", path, "': it holds an OrderedDict (what model.state_dict() returns), "
-                "which libtorch's unpickler cannot read; save dict(state_dict) or a safetensors file instead");
     const std::string what = error.what_without_backtrace();
+    // libtorch's unpickler turns collections.OrderedDict into None and then fails an internal assert.
+    TORCH_CHECK(what.find("Expected GenericDict but got None") == std::string::npos, "cannot read torch file '", path,
+                "': it holds an OrderedDict (what model.state_dict() returns), which libtorch's unpickler cannot read; "
+                "save dict(state_dict) or a safetensors file instead");
     const bool newer_dtype = what.find("_rebuild_tensor_v3") != std::string::npos;
     TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", what,
                 newer_dtype ? ". The file holds a tensor of a dtype torch.save writes with _rebuild_tensor_v3 (float8, "

@@ -50,13 +50,6 @@ struct ParityMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(ParityMlp);
 
-std::vector<std::pair<std::string, at::Tensor>> read_all(const std::string& path) {
-  SafetensorsReader reader(path);
-  std::vector<std::pair<std::string, at::Tensor>> tensors;
-  for (const auto& info : reader.header().tensors) tensors.emplace_back(info.name, reader.tensor(info.name));
-  return tensors;
-}
-
 void write_inputs(const std::string& directory) {
   torch::manual_seed(0);
   ParityMlp model;
@@ -129,8 +122,8 @@ TEST_P(Fsdp2Parity, LossesAndFinalWeightsMatchPyTorchFsdp2) {
   if (testing::is_rank_process()) return;
 
   std::map<std::string, at::Tensor> theirs, ours;
-  for (auto& [name, tensor] : read_all(directory + "/fsdp2_result.safetensors")) theirs[name] = tensor;
-  for (auto& [name, tensor] : read_all(directory + "/ours_result.safetensors")) ours[name] = tensor;
+  for (auto& [name, tensor] : read_safetensors(directory + "/fsdp2_result.safetensors")) theirs[name] = tensor;
+  for (auto& [name, tensor] : read_safetensors(directory + "/ours_result.safetensors")) ours[name] = tensor;
   ASSERT_EQ(ours.size(), theirs.size());
   const auto our_losses = ours.at("loss"), their_losses = theirs.at("loss");
   ASSERT_EQ(our_losses.numel(), kSteps);
