@@ -1,14 +1,26 @@
 // Training parity with PyTorch FSDP2 itself: the same model, initial weights, global batches, AdamW
 // and gradient clipping under fsdp.cpp's fully_shard and under torch.distributed.fsdp.fully_shard
-// (CPU, gloo, the venv's torch; tests/python/fsdp2_parity.py). The loss of every step and the final
-// weights must agree within 1e-5 (fp32), for reshard_after_forward true (FULL_SHARD) and false
-// (SHARD_GRAD_OP), on 2, 3 and 4 ranks. The model's first dimensions (5, 7, 2) do not divide evenly.
+// (CPU, gloo, the venv's torch; tests/python/fsdp2_parity.py is the Python half). The loss and the
+// gradient norm of every step and the final weights must agree. Two models: an MLP whose first
+// dimensions (5, 7, 2) do not divide evenly over 2-4 ranks, and our Llama against transformers'
+// LlamaForCausalLM with the same config (GQA, untied). Cases: one rank (the models' own difference,
+// without communication); reshard_after_forward true (FULL_SHARD) and false (SHARD_GRAD_OP) on 2, 3
+// and 4 ranks; HYBRID_SHARD (and HYBRID_SHARD_ZERO2) on two simulated machines of two ranks against
+// FSDP2 on a 2 x 2 device mesh; gradient accumulation (no gradient sync for the first micro-batch of
+// two); bf16 parameters with fp32 reduction (MixedPrecisionPolicy). Tolerances are at
+// kTolerance's comment.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <fstream>
+#include <functional>
+#include <map>
+
+#include <nlohmann/json.hpp>
 
 #include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -17,7 +29,10 @@ namespace fsdp {
 namespace {
 
 constexpr int kSteps = 20;
-constexpr int64_t kGlobalBatch = 12;
+constexpr int64_t kGlobalBatch = 24;  // rows per step: 12, 8 or 6 per rank, two micro-batches of them
+constexpr int64_t kSequenceLength = 16;
+// Below every step's gradient norm in every case, so that the clipping under test acts (checked).
+constexpr double kMaxNorm = 0.05;
 
 // Mirrors Block and ParityMlp in fsdp2_parity.py, with the same parameter names.
 struct ParityBlockImpl : torch::nn::Module {
@@ -50,109 +65,337 @@ struct ParityMlpImpl : torch::nn::Module {
 };
 TORCH_MODULE(ParityMlp);
 
-void write_inputs(const std::string& directory) {
+struct ParityCase {
+  std::string name;
+  bool llama = false;
+  int world_size = 2;
+  bool reshard_after_forward = true;
+  /// HYBRID_SHARD over simulated machines of two ranks (FSDP2: a [world / 2, 2] device mesh).
+  bool hybrid = false;
+  int accumulation = 1;
+  bool bf16 = false;
+};
+void PrintTo(const ParityCase& parity, std::ostream* out) { *out << parity.name; }
+
+std::string case_json(const ParityCase& parity) {
+  nlohmann::json json;
+  json["model"] = parity.llama ? "llama" : "mlp";
+  json["reshard"] = parity.reshard_after_forward;
+  json["mesh"] = parity.hybrid ? std::vector<int>{parity.world_size / 2, 2} : std::vector<int>{};
+  json["accumulation"] = parity.accumulation;
+  json["bf16"] = parity.bf16;
+  json["clip"] = kMaxNorm;
+  return json.dump();
+}
+
+models::LlamaConfig parity_llama_config() {
+  models::LlamaConfig config;
+  config.vocab_size = 256;
+  config.hidden_size = 64;
+  config.intermediate_size = 96;
+  config.num_hidden_layers = 2;
+  config.num_attention_heads = 4;
+  config.num_key_value_heads = 2;  // GQA
+  config.max_position_embeddings = 64;
+  config.rms_norm_eps = 1e-3;
+  config.rope_theta = 777.0;
+  config.tie_word_embeddings = false;
+  return config;
+}
+
+// The model and its units in creation order (children, then the root), as build() in fsdp2_parity.py.
+struct ParityModel {
+  std::shared_ptr<torch::nn::Module> root;
+  std::vector<std::shared_ptr<torch::nn::Module>> units;
+  std::function<torch::Tensor(const torch::Tensor& x, const torch::Tensor& y)> loss;
+};
+
+ParityModel build_model(bool llama) {
+  ParityModel built;
+  if (llama) {
+    models::LlamaForCausalLM model(parity_llama_config());
+    for (auto& layer : model->model->decoder_layers) built.units.push_back(layer.ptr());
+    built.root = model.ptr();
+    built.loss = [model](const torch::Tensor& x, const torch::Tensor& /*y*/) mutable {
+      const auto length = x.size(1) - 1;
+      auto logits = fsdp::forward(model, x.narrow(1, 0, length)).to(torch::kFloat);
+      return models::causal_lm_loss(logits, x.narrow(1, 1, length));
+    };
+  } else {
+    ParityMlp model;
+    built.units.push_back(model->input.ptr());
+    for (auto& block : model->blocks) built.units.push_back(block.ptr());
+    built.root = model.ptr();
+    built.loss = [model](const torch::Tensor& x, const torch::Tensor& y) mutable {
+      return torch::mse_loss(fsdp::forward(model, x).to(torch::kFloat), y);
+    };
+  }
+  return built;
+}
+
+void write_inputs(const std::string& directory, const ParityCase& parity) {
+  {
+    std::ofstream file(directory + "/case.json");
+    file << case_json(parity);
+  }
   torch::manual_seed(0);
-  ParityMlp model;
+  auto model = build_model(parity.llama);
   std::vector<std::pair<std::string, at::Tensor>> initial;
-  for (const auto& item : model->named_parameters()) initial.emplace_back(item.key(), item.value().detach().clone());
+  for (const auto& item : model.root->named_parameters()) {
+    auto value = item.value().detach().clone();
+    // Norm weights start at one: make them matter.
+    if (item.key().find("norm.weight") != std::string::npos) value.uniform_(0.5, 1.5);
+    initial.emplace_back(item.key(), value);
+  }
   write_safetensors(directory + "/initial.safetensors", initial);
+  if (parity.llama) {
+    std::ofstream file(directory + "/config.json");
+    file << parity_llama_config().to_json();
+  }
   std::vector<std::pair<std::string, at::Tensor>> batches;
+  const int64_t vocab = parity_llama_config().vocab_size;
+  const auto successor = torch::randperm(vocab, torch::kLong);
+  const auto target_map = torch::randn({3, 2});
   for (int step = 0; step < kSteps; ++step) {
-    batches.emplace_back("x." + std::to_string(step), torch::randn({kGlobalBatch, 3}));
-    batches.emplace_back("y." + std::to_string(step), torch::randn({kGlobalBatch, 2}));
+    if (parity.llama) {
+      // Each next token is a fixed permutation of the one before: a bigram the model can learn.
+      auto tokens = torch::empty({kGlobalBatch, kSequenceLength + 1}, torch::kLong);
+      tokens.select(1, 0).copy_(torch::randint(0, vocab, {kGlobalBatch}, torch::kLong));
+      for (int64_t position = 1; position <= kSequenceLength; ++position) {
+        tokens.select(1, position).copy_(successor.index_select(0, tokens.select(1, position - 1)));
+      }
+      batches.emplace_back("x." + std::to_string(step), tokens);
+    } else {
+      batches.emplace_back("x." + std::to_string(step), torch::randn({kGlobalBatch, 3}));
+      // A linear map plus noise: the MLP can learn it.
+      batches.emplace_back("y." + std::to_string(step),
+                           torch::matmul(batches.back().second, target_map) + 0.1 * torch::randn({kGlobalBatch, 2}));
+    }
   }
   write_safetensors(directory + "/batches.safetensors", batches);
 }
 
-void train_with_fsdp_cpp(const DistributedContext& context, const std::string& directory, bool reshard_after_forward) {
-  ParityMlp model;
+void train_with_fsdp_cpp(const DistributedContext& context, const std::string& directory, const ParityCase& parity) {
+  auto model = build_model(parity.llama);
   {
     torch::NoGradGuard no_grad;
     SafetensorsReader initial(directory + "/initial.safetensors");
-    for (auto& item : model->named_parameters()) item.value().copy_(initial.tensor(item.key()));
+    for (auto& item : model.root->named_parameters()) item.value().copy_(initial.tensor(item.key()));
   }
   FullyShardOptions options;
-  options.reshard_after_forward = reshard_after_forward;
-  fully_shard(model->input.ptr(), context, options);
-  for (auto& block : model->blocks) fully_shard(block.ptr(), context, options);
-  fully_shard(model.ptr(), context, options);
-  torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  options.reshard_after_forward = parity.reshard_after_forward;
+  if (parity.hybrid) {
+    options.sharding_strategy =
+        parity.reshard_after_forward ? ShardingStrategy::kHybridShard : ShardingStrategy::kHybridShardZero2;
+  }
+  if (parity.bf16) {
+    options.mixed_precision.param_dtype = torch::kBFloat16;
+    options.mixed_precision.reduce_dtype = torch::kFloat;
+  }
+  for (auto& unit : model.units) fully_shard(unit, context, options);
+  const auto root = fully_shard(model.root, context, options);
+  torch::optim::AdamW optimizer(model.root->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
   SafetensorsReader batches(directory + "/batches.safetensors");
   const int64_t rows = kGlobalBatch / context.world_size();
-  std::vector<double> losses;
+  const int64_t micro = rows / parity.accumulation;
+  std::vector<double> losses, norms;
   for (int step = 0; step < kSteps; ++step) {
-    auto x = batches.tensor("x." + std::to_string(step)).narrow(0, context.rank() * rows, rows);
-    auto y = batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows);
-    auto loss = torch::mse_loss(fsdp::forward(model, x), y);
-    loss.backward();
-    const double norm = clip_grad_norm_(*model, 0.05);
-    EXPECT_GT(norm, 0.05) << "step " << step << ": the clipping under test did not act";
+    const auto x = batches.tensor("x." + std::to_string(step)).narrow(0, context.rank() * rows, rows);
+    const auto y = parity.llama ? x : batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows);
+    auto total = torch::zeros({1});
+    for (int index = 0; index < parity.accumulation; ++index) {
+      root.set_requires_gradient_sync(index == parity.accumulation - 1);
+      auto loss = model.loss(x.narrow(0, index * micro, micro), y.narrow(0, index * micro, micro)) / parity.accumulation;
+      loss.backward();
+      total += loss.detach();
+    }
+    const double norm = clip_grad_norm_(*model.root, kMaxNorm);
+    EXPECT_GT(norm, kMaxNorm) << "step " << step << ": the clipping under test did not act";
+    norms.push_back(norm);
     optimizer.step();
     optimizer.zero_grad();
-    auto total = loss.detach().clone().reshape({1});
     all_reduce(context.world(), total);
     losses.push_back(total.item<double>() / static_cast<double>(context.world_size()));
   }
   StateDictConfig config;
   config.rank0_only = true;
-  auto full = full_model_state_dict(*model, config);
+  auto full = full_model_state_dict(*model.root, config);
   if (context.rank() == 0) {
     full.emplace_back("loss", torch::tensor(losses, torch::kDouble));
+    full.emplace_back("norm", torch::tensor(norms, torch::kDouble));
     write_safetensors(directory + "/ours_result.safetensors", full);
   }
 }
 
-class Fsdp2Parity : public ::testing::TestWithParam<std::tuple<int, bool>> {};
+using Result = std::map<std::string, at::Tensor>;
 
-TEST_P(Fsdp2Parity, LossesAndFinalWeightsMatchPyTorchFsdp2) {
-  const auto [world_size, reshard_after_forward] = GetParam();
-  const auto directory = testing::shared_temporary_directory();
-  if (!testing::is_rank_process()) {
-    write_inputs(directory);
-    testing::PythonOptions python_options;
-    python_options.world_size = world_size;
-    const auto python = testing::run_python("fsdp2_parity.py", {directory, reshard_after_forward ? "1" : "0"},
-                                            python_options);
-    ASSERT_TRUE(python.ok);
-    std::printf("%s", python.output[0].c_str());
-  }
-  testing::run_on_ranks(world_size, [&, reshard = reshard_after_forward](const DistributedContext& context) {
-    train_with_fsdp_cpp(context, directory, reshard);
-  });
-  if (testing::is_rank_process()) return;
-
-  std::map<std::string, at::Tensor> theirs, ours;
-  for (auto& [name, tensor] : read_safetensors(directory + "/fsdp2_result.safetensors")) theirs[name] = tensor;
-  for (auto& [name, tensor] : read_safetensors(directory + "/ours_result.safetensors")) ours[name] = tensor;
-  ASSERT_EQ(ours.size(), theirs.size());
-  const auto our_losses = ours.at("loss"), their_losses = theirs.at("loss");
-  ASSERT_EQ(our_losses.numel(), kSteps);
-  double worst_loss = 0;
-  for (int step = 0; step < kSteps; ++step) {
-    const double a = our_losses[step].item<double>(), b = their_losses[step].item<double>();
-    worst_loss = std::max(worst_loss, std::abs(a - b) / std::abs(b));
-    EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(b)) << "step " << step << ": fsdp.cpp " << a << ", FSDP2 " << b;
-  }
-  EXPECT_LT(our_losses[kSteps - 1].item<double>(), our_losses[0].item<double>());  // it trained
-  double worst_weight = 0;
-  for (const auto& [name, tensor] : theirs) {
-    if (name == "loss") continue;
-    ASSERT_TRUE(ours.count(name)) << name;
-    ASSERT_EQ(ours.at(name).sizes(), tensor.sizes()) << name;
-    const double difference = (ours.at(name) - tensor).abs().max().item<double>();
-    worst_weight = std::max(worst_weight, difference);
-    EXPECT_LE(difference, 1e-5) << name;
-  }
-  std::printf("N=%d reshard_after_forward=%d: largest loss difference %.2e (relative), weights %.2e (absolute)\n",
-              world_size, reshard_after_forward ? 1 : 0, worst_loss, worst_weight);
+Result read_result(const std::string& path) {
+  Result result;
+  for (auto& [name, tensor] : read_safetensors(path)) result[name] = tensor;
+  return result;
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldSizes, Fsdp2Parity,
-                         ::testing::Combine(::testing::Values(2, 3, 4), ::testing::Bool()),
-                         [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
-                           return std::to_string(std::get<0>(info.param)) + "ranks_" +
-                                  (std::get<1>(info.param) ? "reshard" : "noreshard");
-                         });
+// How far two runs ended apart: the largest relative difference of the per-step losses and gradient
+// norms, and the largest absolute difference of a final weight.
+struct Differences {
+  double loss = 0;
+  double norm = 0;
+  double weight = 0;
+};
+
+Differences compare(const Result& ours, const Result& theirs) {
+  Differences worst;
+  EXPECT_EQ(ours.size(), theirs.size());
+  for (const std::string series : {"loss", "norm"}) {
+    EXPECT_TRUE(ours.count(series) && theirs.count(series)) << series;
+    if (!ours.count(series) || !theirs.count(series)) return worst;
+    const auto our_values = ours.at(series), their_values = theirs.at(series);
+    EXPECT_EQ(our_values.numel(), kSteps) << series;
+    EXPECT_EQ(their_values.numel(), kSteps) << series;
+    for (int step = 0; step < std::min<int64_t>(kSteps, std::min(our_values.numel(), their_values.numel())); ++step) {
+      const double a = our_values[step].item<double>(), b = their_values[step].item<double>();
+      auto& largest = series == "loss" ? worst.loss : worst.norm;
+      largest = std::max(largest, std::abs(a - b) / std::abs(b));
+    }
+  }
+  for (const auto& [name, tensor] : theirs) {
+    if (name == "loss" || name == "norm") continue;
+    EXPECT_TRUE(ours.count(name)) << name;
+    if (!ours.count(name)) continue;
+    EXPECT_EQ(ours.at(name).sizes(), tensor.sizes()) << name;
+    EXPECT_EQ(ours.at(name).scalar_type(), tensor.scalar_type()) << name;
+    if (ours.at(name).sizes() != tensor.sizes()) continue;
+    worst.weight = std::max(worst.weight, (ours.at(name) - tensor).abs().max().item<double>());
+  }
+  return worst;
+}
+
+double relative_difference(const Result& a, const Result& b, const std::string& series, int step) {
+  const double x = a.at(series)[step].item<double>(), y = b.at(series)[step].item<double>();
+  return std::abs(x - y) / std::abs(y);
+}
+
+testing::PythonResult run_fsdp2(const std::string& directory, int world_size, const std::string& output) {
+  testing::PythonOptions options;
+  options.world_size = world_size;
+  options.timeout = std::chrono::seconds(240);
+  auto python = testing::run_python("fsdp2_parity.py", {directory, output}, options);
+  if (python.ok) std::printf("%s", python.output[0].c_str());
+  return python;
+}
+
+// fp32, and bf16 on the MLP: both sides run the same libtorch kernels on the same operations and
+// differ only in the order of the additions of the gradient reduction: losses within 1e-5 relative
+// and weights within 1e-5 (measured at most 9.4e-7 and 3.9e-6). The gradient norm gets 1e-4: as the
+// Llama's loss falls from 5.5 to 0.13 its gradients shrink and their relative rounding grows
+// (measured at most 9.8e-6).
+//
+// bf16 on the Llama: the two models (ours and transformers') round differently somewhere in the
+// bf16 backward (step 0's gradient norm differs by about 1e-6 relative), and bf16 training amplifies
+// one-ulp differences through AdamW and the bf16 casts of the updated weights: on one rank, with no
+// communication at all, the two models end 1e-2 apart in loss. PyTorch FSDP2 against itself on 1 and
+// on N ranks (the same global batches) spreads as far: measured 3e-2 (losses), 4e-2 (norms), 7e-2
+// (weights). So this case runs FSDP2 on one rank too, in the same test, and requires fsdp.cpp to stay
+// within 3x that spread of PyTorch against itself, and the first step, before any update, within
+// the fp32 tolerances (measured: loss 0, norm 8e-7). The MLP case proves the mixed-precision semantics themselves to 1e-5.
+constexpr double kTolerance = 1e-5;
+constexpr double kNormTolerance = 1e-4;
+constexpr double kSpreadFactor = 3.0;
+
+class Fsdp2Parity : public ::testing::TestWithParam<ParityCase> {};
+
+TEST_P(Fsdp2Parity, LossesNormsAndFinalWeightsMatchPyTorchFsdp2) {
+  const auto parity = GetParam();
+  const bool against_spread = parity.bf16 && parity.llama;
+  const auto directory = testing::shared_temporary_directory();
+  if (!testing::is_rank_process()) {
+    write_inputs(directory, parity);
+    ASSERT_TRUE(run_fsdp2(directory, parity.world_size, "fsdp2_result.safetensors").ok);
+    if (against_spread) {
+      ASSERT_TRUE(run_fsdp2(directory, 1, "fsdp2_one_rank.safetensors").ok);
+    }
+  }
+  auto rank_options = parity.hybrid ? testing::simulated_machines(2) : testing::MultiRankOptions{};
+  rank_options.timeout = std::chrono::seconds(240);
+  testing::run_on_ranks(
+      parity.world_size, [&](const DistributedContext& context) { train_with_fsdp_cpp(context, directory, parity); },
+      rank_options);
+  if (testing::is_rank_process()) return;
+
+  const auto theirs = read_result(directory + "/fsdp2_result.safetensors");
+  const auto ours = read_result(directory + "/ours_result.safetensors");
+  const auto worst = compare(ours, theirs);
+  ASSERT_FALSE(HasFailure());
+  EXPECT_LT(ours.at("loss")[kSteps - 1].item<double>(), ours.at("loss")[0].item<double>());  // it trained
+  Differences allowed{kTolerance, kNormTolerance, kTolerance};
+  if (against_spread) {
+    const auto spread = compare(read_result(directory + "/fsdp2_one_rank.safetensors"), theirs);
+    std::printf("FSDP2 on 1 against %d ranks: losses %.2e, norms %.2e (relative), weights %.2e (absolute)\n",
+                parity.world_size, spread.loss, spread.norm, spread.weight);
+    allowed = {std::max(kTolerance, kSpreadFactor * spread.loss), std::max(kNormTolerance, kSpreadFactor * spread.norm),
+               std::max(kTolerance, kSpreadFactor * spread.weight)};
+    EXPECT_LE(relative_difference(ours, theirs, "loss", 0), kTolerance) << "the first step";
+    EXPECT_LE(relative_difference(ours, theirs, "norm", 0), kNormTolerance) << "the first step";
+  }
+  std::printf("%s: largest difference of the losses %.2e and gradient norms %.2e (relative), weights %.2e (absolute)\n",
+              parity.name.c_str(), worst.loss, worst.norm, worst.weight);
+  EXPECT_LE(worst.loss, allowed.loss) << "per-step loss, fsdp.cpp against FSDP2";
+  EXPECT_LE(worst.norm, allowed.norm) << "per-step gradient norm, fsdp.cpp against FSDP2";
+  EXPECT_LE(worst.weight, allowed.weight) << "final weights, fsdp.cpp against FSDP2";
+  if (HasFailure()) {
+    for (const std::string series : {"loss", "norm"}) {
+      for (int step = 0; step < kSteps; ++step) {
+        std::printf("%s[%d]: fsdp.cpp %.9g, FSDP2 %.9g\n", series.c_str(), step, ours.at(series)[step].item<double>(),
+                    theirs.at(series)[step].item<double>());
+      }
+    }
+  }
+}
+
+std::vector<ParityCase> parity_cases() {
+  std::vector<ParityCase> cases;
+  for (const bool llama : {false, true}) {
+    const std::string model = llama ? "Llama" : "Mlp";
+    for (const int world_size : {1, 2, 3, 4}) {
+      for (const bool reshard : {true, false}) {
+        if (world_size == 1 && !reshard) continue;  // one rank: the baseline without communication
+        ParityCase parity;
+        parity.name = model + "_" + std::to_string(world_size) + "ranks_" + (reshard ? "reshard" : "noreshard");
+        parity.llama = llama;
+        parity.world_size = world_size;
+        parity.reshard_after_forward = reshard;
+        cases.push_back(parity);
+      }
+    }
+    ParityCase hybrid;
+    hybrid.name = model + "_HybridShard2x2";
+    hybrid.llama = llama;
+    hybrid.world_size = 4;
+    hybrid.hybrid = true;
+    cases.push_back(hybrid);
+    ParityCase accumulation;
+    accumulation.name = model + "_3ranks_GradientAccumulation";
+    accumulation.llama = llama;
+    accumulation.world_size = 3;
+    accumulation.accumulation = 2;
+    cases.push_back(accumulation);
+    ParityCase bf16;
+    bf16.name = model + "_2ranks_Bf16ParamsFp32Reduce";
+    bf16.llama = llama;
+    bf16.bf16 = true;
+    cases.push_back(bf16);
+  }
+  ParityCase zero2;
+  zero2.name = "Mlp_HybridShardZero2_2x2";
+  zero2.world_size = 4;
+  zero2.hybrid = true;
+  zero2.reshard_after_forward = false;
+  cases.push_back(zero2);
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, Fsdp2Parity, ::testing::ValuesIn(parity_cases()),
+                         [](const ::testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
 }  // namespace
 }  // namespace fsdp

@@ -1,19 +1,30 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard, CPU, gloo) on the model and batches that
 tests/engine/fsdp2_parity_test.cpp trains with fsdp.cpp. Run on N processes with torchrun's variables.
 
-    fsdp2_parity.py DIR RESHARD_AFTER_FORWARD
+    fsdp2_parity.py DIR [OUTPUT]
 
+DIR/case.json says what to train:
+    model          "mlp" (ParityMlp below) or "llama" (transformers' LlamaForCausalLM from DIR/config.json)
+    reshard        reshard_after_forward of every unit
+    mesh           [] (1-D over the world) or [replicate, shard] (HSDP on a 2-D device mesh)
+    accumulation   micro-batches per step; the first k-1 run with set_requires_gradient_sync(False)
+    bf16           MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
+    clip           max_norm of clip_grad_norm_ after every step's backward
 DIR/initial.safetensors: the initial weights; DIR/batches.safetensors: "x.<step>" and "y.<step>" global
-batches. Rank 0 writes DIR/fsdp2_result.safetensors: "loss" (the global mean loss of every step, before
-the update) and the final full weights under their names.
+batches (for llama "x" holds token ids of sequence length + 1 and there is no "y"). Every rank takes
+its equal slice of rows and splits it into the micro-batches. Rank 0 writes DIR/OUTPUT (default fsdp2_result.safetensors):
+"loss" (the global mean loss of every step, before the update), "norm" (the total gradient norm
+clip_grad_norm_ returned at every step) and the final full weights.
 """
-import os
+import json
 import sys
 
 import torch
 import torch.distributed as dist
 from safetensors.torch import load_file, save_file
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
 
 # Mirrors ParityMlp in fsdp2_parity_test.cpp: uneven first dimensions (5, 7, 2 rows) on 2-4 ranks.
 class Block(torch.nn.Module):
@@ -40,42 +51,81 @@ class ParityMlp(torch.nn.Module):
         return self.head(x)
 
 
-def main(directory, reshard_after_forward):
+def build(directory, case):
+    """The model and its units, in the order the C++ side creates them (children, then the root)."""
+    if case["model"] == "mlp":
+        model = ParityMlp()
+        units = [model.input, *model.blocks]
+    else:
+        from transformers import AutoModelForCausalLM, LlamaConfig
+        config = LlamaConfig.from_json_file(f"{directory}/config.json")
+        # Eager attention is the arithmetic our Llama does (matmul, mask, softmax, matmul). Under the
+        # default SDPA the fused kernel's backward rounds differently: measured on one rank, with no
+        # communication at all, the two models' weights then drift 3.5e-5 apart over the 20 steps
+        # (7e-7 with eager), which is the models' difference, not the engines'.
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="eager").float()
+        units = list(model.model.layers)
+    # Every parameter is in the file; non-persistent buffers (rotary inv_freq) are not state.
+    model.load_state_dict(load_file(f"{directory}/initial.safetensors"), strict=True)
+    return model, units
+
+
+def micro_loss(model, case, x, y):
+    if case["model"] == "mlp":
+        return torch.nn.functional.mse_loss(model(x).float(), y)
+    logits = model(input_ids=x[:, :-1]).logits.float()
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
+
+
+def main(directory, output):
     torch.set_num_threads(1)
+    case = json.load(open(f"{directory}/case.json"))
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = ParityMlp()
-    missing, unexpected = model.load_state_dict(load_file(f"{directory}/initial.safetensors"), strict=True)
-    fully_shard(model.input, reshard_after_forward=reshard_after_forward)
-    for block in model.blocks:
-        fully_shard(block, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+    model, units = build(directory, case)
+    arguments = {"reshard_after_forward": case["reshard"]}
+    if case["mesh"]:
+        # HSDP: shard over the inner dimension (ranks of one machine), replicate over the outer.
+        arguments["mesh"] = init_device_mesh("cpu", tuple(case["mesh"]), mesh_dim_names=("replicate", "shard"))
+    if case["bf16"]:
+        arguments["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    for unit in units:
+        fully_shard(unit, **arguments)
+    fully_shard(model, **arguments)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     batches = load_file(f"{directory}/batches.safetensors")
     steps = len([name for name in batches if name.startswith("x.")])
-    losses = []
+    k = case["accumulation"]
+    losses, norms = [], []
     for step in range(steps):
-        x, y = batches[f"x.{step}"], batches[f"y.{step}"]
+        x = batches[f"x.{step}"]
+        y = batches.get(f"y.{step}", x)
         rows = x.shape[0] // world
         local_x, local_y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
-        loss = torch.nn.functional.mse_loss(model(local_x), local_y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)  # below every step's norm: clipping acts (the C++ side checks)
+        micro = rows // k
+        total = torch.zeros(())
+        for index in range(k):
+            model.set_requires_gradient_sync(index == k - 1)
+            part = slice(index * micro, (index + 1) * micro)
+            loss = micro_loss(model, case, local_x[part], local_y[part]) / k
+            loss.backward()
+            total += loss.detach()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
         optimizer.step()
         optimizer.zero_grad()
-        total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
     full = {name: tensor.full_tensor().contiguous() for name, tensor in model.state_dict().items()}
     if rank == 0:
         full["loss"] = torch.tensor(losses, dtype=torch.float64)
-        save_file(full, f"{directory}/fsdp2_result.safetensors")
-        print(f"fsdp2: {steps} steps on {world} ranks, reshard_after_forward={reshard_after_forward}, "
-              f"loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+        full["norm"] = torch.tensor(norms, dtype=torch.float64)
+        save_file(full, f"{directory}/{output}")
+        print(f"fsdp2: {case} on {world} ranks: {steps} steps, loss {losses[0]:.6f} -> {losses[-1]:.6f}")
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) not in (2, 3):
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2] == "1")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else "fsdp2_result.safetensors")
