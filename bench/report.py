@@ -8,8 +8,9 @@ import subprocess
 import sys
 import time
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD", "DDP")
-COLORS = {"FULL_SHARD": "#1f77b4", "SHARD_GRAD_OP": "#2ca02c", "HYBRID_SHARD": "#ff7f0e", "NO_SHARD": "#9467bd", "DDP": "#d62728",
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "HYBRID_SHARD", "NO_SHARD", "DDP", "FSDP2")
+PEERS = ("DDP", "FSDP2")
+COLORS = {"FULL_SHARD": "#1f77b4", "SHARD_GRAD_OP": "#2ca02c", "HYBRID_SHARD": "#ff7f0e", "NO_SHARD": "#9467bd", "DDP": "#d62728", "FSDP2": "#8c564b",
           "FULL_SHARD, prefetch off": "#7fb3d5", "16 B/param / N": "#7f7f7f"}
 
 
@@ -89,36 +90,50 @@ def main():
         parameters = main_sizes[model]
         worlds = sorted({w for (m, p, _, _, w) in steps if m == model and p == parameters and w > 1})
         lines += [f"**{model}** ({parameters / 1e6:.1f} M parameters)", "",
-                  "| ranks | strategy | prefetch | step (s) | / DDP | bytes sent per step | / theory | model state per rank "
-                  "| / formula | unsharded peak / two largest units | peak RSS (MB) |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]
+                  "| ranks | strategy | prefetch | step (s) | / DDP | / FSDP2 | bytes sent per step per rank (counters) "
+                  "| / theory | loopback bytes per step, all ranks | / FSDP2 | loopback / counters | model state per rank "
+                  "| / formula | unsharded peak / two largest units | peak RSS (MB) | / FSDP2 |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for world in worlds:
-            ddp_key = (model, parameters, "DDP", "-", world)
-            ddp = median("median_step_s", ddp_key) if ddp_key in steps else None
+            peer = {}
+            for name in PEERS:
+                key = (model, parameters, name, "-", world)
+                if key in steps:
+                    peer[name] = {field: median(field, key) for field in ("median_step_s", "loopback_bytes_per_step", "peak_rss_mb")
+                                  if all(field in row for row in steps[key])}
+
+            def ratio(value, name, field, digits=2):
+                other = peer.get(name, {}).get(field)
+                return f"{value / other:.{digits}f}" if value is not None and value >= 0 and other and other > 0 else "-"
             for strategy in STRATEGIES:
                 for prefetch in ("on", "off", "-"):
                     key = (model, parameters, strategy, prefetch, world)
                     if key not in steps:
                         continue
                     step = median("median_step_s", key)
-                    ours = strategy != "DDP"
+                    ours = strategy not in PEERS
                     sent = median("bytes_sent_per_step", key) if ours else None
                     theory = median("bytes_theory", key) if ours else None
+                    wire = median("loopback_bytes_per_step", key) if all("loopback_bytes_per_step" in row for row in steps[key]) else -1
                     state = median("model_state_bytes_per_rank", key)
                     formula = median("model_state_formula", key) if ours else None
                     working = median("unsharded_peak_bytes", key) if ours else -1
                     units = median("two_largest_units_bytes", key) if ours else 0
+                    rss = median("peak_rss_mb", key)
                     lines.append(
-                        f"| {world} | {strategy} | {prefetch} | {step:.3f} | " + (f"{step / ddp:.2f}" if ddp else "-") + " | "
+                        f"| {world} | {strategy} | {prefetch} | {step:.3f} | {ratio(step, 'DDP', 'median_step_s')} | "
+                        f"{ratio(step, 'FSDP2', 'median_step_s')} | "
                         + (f"{sent / 1e6:.1f} MB | {sent / theory:.4f} | " if ours else "(Gloo's own) | - | ")
+                        + (f"{wire / 1e6:.1f} MB | {ratio(wire, 'FSDP2', 'loopback_bytes_per_step')} | " if wire >= 0 else "- | - | ")
+                        + (f"{wire / (sent * world):.4f} | " if ours and wire >= 0 and sent else "- | ")
                         + f"{state / 1e6:.1f} MB | " + (f"{state / formula:.3f} | " if ours else "- | ")
                         + (f"{working / units:.3f} | " if working >= 0 and units > 0 and strategy != "NO_SHARD" else "- | ")
-                        + f"{median('peak_rss_mb', key):.0f} |")
+                        + f"{rss:.0f} | {ratio(rss, 'FSDP2', 'peak_rss_mb')} |")
         single = (model, parameters, "SINGLE", "on", 1)
         if single in steps:
-            lines.append(f"| 1 | single process, whole batch (compute floor) | | {median('median_step_s', single):.3f} | | | | "
+            lines.append(f"| 1 | single process, whole batch (compute floor) | | {median('median_step_s', single):.3f} | | | | | | | | "
                          f"{median('model_state_bytes_per_rank', single) / 1e6:.1f} MB | | | "
-                         f"{median('peak_rss_mb', single):.0f} |")
+                         f"{median('peak_rss_mb', single):.0f} | |")
         lines.append("")
 
     # Memory cap: DDP's own peak on the benchmark model is the cap; a straight line through each

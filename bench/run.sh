@@ -6,7 +6,7 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 bin="${FSDP_BUILD_DIR:-$root/build}/bin"
-# The peers (PyTorch DDP) run in the project venv's torch, the libtorch our binaries link.
+# The peers (PyTorch DDP and FSDP2) run in the project venv's torch, the libtorch our binaries link.
 python="${FSDP_VENV:-$root/.venv}/bin/python"
 [[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
 smoke=0
@@ -38,18 +38,22 @@ for round in $(seq "$rounds"); do
         "$bin/step_bench" --strategy HYBRID_SHARD "${sizes[@]}" >> "$results" &
     done
     wait
-    launch "$n" "$python" "$root/bench/ddp_peer.py" "${sizes[@]}"
+    for peer in ddp fsdp2; do
+      launch "$n" "$python" "$root/bench/torch_peer.py" --peer "$peer" "${sizes[@]}"
+    done
     for strategy in FULL_SHARD NO_SHARD; do
       launch "$n" "$bin/step_bench" --strategy "$strategy" "${llama[@]}"
     done
-    launch "$n" "$python" "$root/bench/ddp_peer.py" "${llama[@]}"
+    for peer in ddp fsdp2; do
+      launch "$n" "$python" "$root/bench/torch_peer.py" --peer "$peer" "${llama[@]}"
+    done
   done
   OMP_NUM_THREADS=1 "$bin/step_bench" --strategy SINGLE "${sizes[@]}" >> "$results"
 done
 # Memory cap: both peers on a model three times as deep, at the largest world size; FULL_SHARD also
 # with limit_retained_host_memory (host_memory.h).
 launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD "${big_sizes[@]}"
-launch "${world_sizes[-1]}" "$python" "$root/bench/ddp_peer.py" "${big_sizes[@]}"
+launch "${world_sizes[-1]}" "$python" "$root/bench/torch_peer.py" --peer ddp "${big_sizes[@]}"
 for model_sizes in "${sizes[*]}" "${big_sizes[*]}"; do
   read -r -a model_sizes <<< "$model_sizes"
   launch "${world_sizes[-1]}" "$bin/step_bench" --strategy FULL_SHARD --host-memory limit "${model_sizes[@]}"

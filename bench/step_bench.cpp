@@ -2,7 +2,9 @@
 // sent per step against the (N-1)/N theory, and the bytes of parameters, gradients and optimizer state
 // each rank holds against 16 bytes/parameter / N. Run under `fsdp launch`; prints one JSON line on
 // rank 0. `--strategy SINGLE` runs the whole global batch in one process without FSDP (the compute
-// floor). bench/ddp_peer.py is the same model under PyTorch's DDP. `--model llama` trains
+// floor). bench/torch_peer.py is the same model under PyTorch's DDP and FSDP2. Rank 0 also reads the
+// kernel's byte counter of the loopback interface around the timed steps, as the peer does, so that
+// every peer's wire bytes are counted the same way and our own counters are checked. `--model llama` trains
 // fsdp::models::LlamaForCausalLM instead (--width = hidden_size, --hidden = intermediate_size,
 // --blocks = layers, --batch sequences of --length tokens), each decoder layer a unit.
 //
@@ -16,6 +18,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <unordered_set>
 #include <iostream>
@@ -54,6 +57,14 @@ struct StackImpl : torch::nn::Module {
   std::vector<Block> layers;
 };
 TORCH_MODULE(Stack);
+
+/// Bytes the loopback interface has sent since boot, or -1 where the counter is not readable.
+int64_t loopback_bytes() {
+  std::ifstream file("/sys/class/net/lo/statistics/tx_bytes");
+  long long value = -1;
+  if (!(file >> value)) return -1;
+  return value;
+}
 
 int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor.numel() * tensor.element_size() : 0; }
 
@@ -180,9 +191,11 @@ int main(int argc, char** argv) {
     };
     std::vector<double> times;
     int64_t bytes_before = 0;
+    int64_t loopback_before = -1;
     for (int64_t step = 0; step < steps + 2; ++step) {
       if (step == 2) bytes_before = bytes_sent();
       if (!single) fsdp::barrier(context.world());
+      if (step == 2 && context.rank() == 0) loopback_before = loopback_bytes();
       const auto start = std::chrono::steady_clock::now();
       loss_of(input).backward();
       optimizer.step();
@@ -192,6 +205,9 @@ int main(int argc, char** argv) {
       if (step >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
     }
     const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
+    const int64_t loopback_after = context.rank() == 0 ? loopback_bytes() : -1;
+    const int64_t loopback_per_step =
+        loopback_before >= 0 && loopback_after >= 0 && !single ? (loopback_after - loopback_before) / steps : -1;
     std::sort(times.begin(), times.end());
     std::sort(unit_bytes.rbegin(), unit_bytes.rend());
     const int64_t two_largest_units = unit_bytes.empty() ? 0 : unit_bytes[0] + (unit_bytes.size() > 1 ? unit_bytes[1] : 0);
@@ -215,12 +231,12 @@ int main(int argc, char** argv) {
     if (context.rank() == 0) {
       std::printf("{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
                   "\"prefetch\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
-                  "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"model_state_bytes_per_rank\": %lld, "
+                  "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"loopback_bytes_per_step\": %lld, \"model_state_bytes_per_rank\": %lld, "
                   "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
                   "\"peak_rss_mb\": %.1f}\n",
                   model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
                   static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
-                  theory, static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
+                  theory, static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
                   static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),
                   usage.ru_maxrss / 1024.0);
     }

@@ -1,6 +1,10 @@
-"""The peer of step_bench: the same model (MLP blocks, or the Llama of src/models/llama.cpp written
-out in PyTorch) and batch under PyTorch's DistributedDataParallel (Gloo, CPU), with the project
-venv's torch. Run it under `fsdp launch` (torchrun's variables)."""
+"""The peers of step_bench: the same model (MLP blocks, or the Llama of src/models/llama.cpp written
+out in PyTorch) and batch under PyTorch's DistributedDataParallel (`--peer ddp`) or FSDP2
+(`--peer fsdp2`: torch.distributed.fsdp.fully_shard on every block, then the root, as step_bench
+does with ours), Gloo, CPU, the project venv's torch. Run it under `fsdp launch` (torchrun's
+variables). Prints one JSON line: the median step, the bytes the loopback interface carried per step
+(the kernel's counter, read by rank 0 around the timed steps, the same way step_bench reads it) and
+rank 0's peak RSS."""
 import argparse
 import json
 import math
@@ -9,6 +13,18 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import fully_shard
+
+LOOPBACK_TX = "/sys/class/net/lo/statistics/tx_bytes"
+
+
+def loopback_bytes():
+    """Bytes the loopback interface has sent since boot, or -1 where the counter is not readable."""
+    try:
+        with open(LOOPBACK_TX) as handle:
+            return int(handle.read())
+    except (OSError, ValueError):
+        return -1
 
 
 class Block(torch.nn.Module):
@@ -102,6 +118,7 @@ def main():
     parser.add_argument("--model", choices=["mlp", "llama"], default="mlp")
     parser.add_argument("--length", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--peer", choices=["ddp", "fsdp2"], default="ddp")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -121,24 +138,46 @@ def main():
         def loss_of(logits):
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
     parameters = sum(p.numel() for p in model.parameters())
-    model = torch.nn.parallel.DistributedDataParallel(model)
+    if args.peer == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    else:
+        for unit in (model if args.model == "mlp" else model.layers):
+            fully_shard(unit)  # reshard_after_forward=True: FULL_SHARD
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
+    state = 0
     for step in range(args.steps + 2):
         dist.barrier()
+        if step == 2 and rank == 0:
+            lo_before = loopback_bytes()
         start = time.perf_counter()
         loss_of(model(x)).backward()
         optimizer.step()
+        if step == args.steps + 1:
+            # What this rank holds at the optimizer step: parameters (FSDP2: local shards), gradients
+            # and AdamW's two moments, as step_bench measures it.
+            def local(tensor):
+                tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+                return tensor.numel() * tensor.element_size()
+            for p in model.parameters():
+                state += local(p) + (local(p.grad) if p.grad is not None else 0)
+                for moment in optimizer.state[p].values():
+                    if torch.is_tensor(moment) and moment.dim() > 0:
+                        state += local(moment)
         optimizer.zero_grad()
         dist.barrier()
         if step >= 2:
             times.append(time.perf_counter() - start)
+    lo_after = loopback_bytes() if rank == 0 else -1
     times.sort()
-    state = sum(p.numel() * 4 * 4 for p in model.parameters())  # parameter, gradient, two moments
     if rank == 0:
-        print(json.dumps({"benchmark": "step", "peer": "pytorch-ddp", "model": args.model, "strategy": "DDP",
+        lo_per_step = (lo_after - lo_before) // args.steps if lo_before >= 0 and lo_after >= 0 else -1
+        print(json.dumps({"benchmark": "step", "peer": f"pytorch-{args.peer}", "model": args.model,
+                          "strategy": "DDP" if args.peer == "ddp" else "FSDP2",
                           "prefetch": "-", "world_size": world,
                           "parameters": parameters, "median_step_s": round(times[len(times) // 2], 4),
+                          "loopback_bytes_per_step": lo_per_step,
                           "model_state_bytes_per_rank": state,
                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}))
     dist.destroy_process_group()
