@@ -354,43 +354,23 @@ TEST_P(Fsdp2Parity, LossesNormsAndFinalWeightsMatchPyTorchFsdp2) {
 
 std::vector<ParityCase> parity_cases() {
   std::vector<ParityCase> cases;
+  auto add = [&](bool llama, const std::string& name, int world_size, bool reshard, bool hybrid, int accumulation,
+                 bool bf16) {
+    cases.push_back({std::string(llama ? "Llama_" : "Mlp_") + name, llama, world_size, reshard, hybrid, accumulation, bf16});
+  };
   for (const bool llama : {false, true}) {
-    const std::string model = llama ? "Llama" : "Mlp";
-    for (const int world_size : {1, 2, 3, 4}) {
+    add(llama, "1ranks_reshard", 1, true, false, 1, false);  // one rank: the baseline without communication
+    for (const int world_size : {2, 3, 4}) {
       for (const bool reshard : {true, false}) {
-        if (world_size == 1 && !reshard) continue;  // one rank: the baseline without communication
-        ParityCase parity;
-        parity.name = model + "_" + std::to_string(world_size) + "ranks_" + (reshard ? "reshard" : "noreshard");
-        parity.llama = llama;
-        parity.world_size = world_size;
-        parity.reshard_after_forward = reshard;
-        cases.push_back(parity);
+        add(llama, std::to_string(world_size) + "ranks_" + (reshard ? "reshard" : "noreshard"), world_size, reshard,
+            false, 1, false);
       }
     }
-    ParityCase hybrid;
-    hybrid.name = model + "_HybridShard2x2";
-    hybrid.llama = llama;
-    hybrid.world_size = 4;
-    hybrid.hybrid = true;
-    cases.push_back(hybrid);
-    ParityCase accumulation;
-    accumulation.name = model + "_3ranks_GradientAccumulation";
-    accumulation.llama = llama;
-    accumulation.world_size = 3;
-    accumulation.accumulation = 2;
-    cases.push_back(accumulation);
-    ParityCase bf16;
-    bf16.name = model + "_2ranks_Bf16ParamsFp32Reduce";
-    bf16.llama = llama;
-    bf16.bf16 = true;
-    cases.push_back(bf16);
+    add(llama, "HybridShard2x2", 4, true, true, 1, false);
+    add(llama, "3ranks_GradientAccumulation", 3, true, false, 2, false);
+    add(llama, "2ranks_Bf16ParamsFp32Reduce", 2, true, false, 1, true);
   }
-  ParityCase zero2;
-  zero2.name = "Mlp_HybridShardZero2_2x2";
-  zero2.world_size = 4;
-  zero2.hybrid = true;
-  zero2.reshard_after_forward = false;
-  cases.push_back(zero2);
+  add(false, "HybridShardZero2_2x2", 4, false, true, 1, false);
   return cases;
 }
 
