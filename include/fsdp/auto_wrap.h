@@ -1,21 +1,27 @@
 // Auto-wrap policies: which modules of a model become their own FSDP unit.
 //
-// A policy is an AutoWrapCallable (plugin.h): it sees a module, its name in the model and the number
+// A policy is an AutoWrapCallable: it sees a module, its name in the model and the number
 // of its parameters that no unit chosen so far holds. Modules are offered bottom-up (children before
 // parents, the root last and never offered: it is always a unit).
 #pragma once
 
 #include <torch/nn/module.h>
 
+#include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include <fsdp/plugin.h>
-
 namespace fsdp {
+
+/// Decides whether `module` (named `name`, with `unwrapped_numel` parameters not yet in a unit)
+/// becomes its own FSDP unit.
+using AutoWrapCallable =
+    std::function<bool(const torch::nn::Module& module, const std::string& name, int64_t unwrapped_numel)>;
+
 
 /// Every descendant of `model` with its name, children before parents, `model` itself last under
 /// the name "" (Accelerate's get_module_children_bottom_up).
@@ -38,13 +44,6 @@ AutoWrapCallable size_based_auto_wrap_policy(int64_t min_num_params);
 /// size_based_wrap as FSDP1 applies it: modules whose parameters not yet in a unit number at least
 /// `min_num_params`, never a ModuleList or ModuleDict (containers have no forward).
 AutoWrapCallable size_based_auto_wrap_policy_v1(int64_t min_num_params);
-
-/// The plugin's policy for `model` (Accelerate's fsdp2_prepare_auto_wrap_policy): class names from
-/// transformer_cls_names_to_wrap, else the model's no_split_modules (PretrainedModel); NO_WRAP gives
-/// none. Unlike Accelerate, whose FSDP2 path silently ignores a callable (spec §9 Q9), a callable
-/// policy is applied.
-std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullyShardedDataParallelPlugin& plugin,
-                                                               const std::shared_ptr<torch::nn::Module>& model);
 
 /// The modules `policy` selects, bottom-up, root excluded, with their names.
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> modules_to_wrap(

@@ -21,7 +21,7 @@
 #include <map>
 #include <string>
 
-#include <fsdp/plugin.h>
+#include <fsdp/state_dict_options.h>
 #include <fsdp/process_group.h>
 
 namespace fsdp {

@@ -18,7 +18,9 @@
 #include <fsdp/process_group.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/shard_layout.h>
+#include <fsdp/sharding_options.h>
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
+#include <fsdp/state_dict_options.h>
 #include <fsdp/torch_file.h>
 #include <fsdp/version.h>

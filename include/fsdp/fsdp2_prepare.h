@@ -6,10 +6,13 @@
 #include <torch/optim/optimizer.h>
 
 #include <memory>
+#include <optional>
 #include <unordered_map>
 
+#include <fsdp/auto_wrap.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/plugin.h>
+#include <fsdp/state_dict.h>
 
 namespace fsdp {
 
@@ -18,6 +21,13 @@ class Accelerator;
 /// The fully_shard options the plugin describes (strategy, reshard_after_forward, mixed precision,
 /// offload). The root's reshard_after_forward is left unset by fsdp2_prepare_model (FSDP2's None).
 FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin);
+
+/// The plugin's policy for `model` (Accelerate's fsdp2_prepare_auto_wrap_policy): class names from
+/// transformer_cls_names_to_wrap, else the model's no_split_modules (PretrainedModel); NO_WRAP gives
+/// none. Unlike Accelerate, whose FSDP2 path silently ignores a callable (spec §9 Q9), a callable
+/// policy is applied.
+std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullyShardedDataParallelPlugin& plugin,
+                                                               const std::shared_ptr<torch::nn::Module>& model);
 
 /// Accelerate's fsdp2_prepare_model, in its order (spec §3.5): auto-wrap bottom-up, the input
 /// embedding and the tail (final norm + output embedding, or the tied embedding) as their own units,
@@ -28,6 +38,15 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
 /// other rank drops its own before sharding and receives its rows from rank 0, one tensor at a time.
 std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
                                                        const std::shared_ptr<torch::nn::Module>& model);
+
+/// Accelerate's fsdp2_load_full_state_dict: `model` is sharded and holds no parameter data yet
+/// (see release_parameter_storage); `full_state_dict` matters on rank 0 only. Rank 0 broadcasts
+/// the tensors one at a time in state-dict order; each rank keeps its rows, cast to the parameter's
+/// dtype (on CPU: `cpu_offload` holds by construction in this build). Collective.
+std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
+                                                              const std::shared_ptr<torch::nn::Module>& model,
+                                                              const TensorList& full_state_dict,
+                                                              bool cpu_offload = false);
 
 /// Accelerate's fsdp2_switch_optimizer_parameters: replaces every optimizer parameter `p` by
 /// `mapping.at(p.data_ptr())`, keeping parameter groups and hyper-parameters. In Accelerator::prepare

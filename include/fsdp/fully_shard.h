@@ -35,9 +35,9 @@
 #include <vector>
 
 #include <fsdp/activation_checkpointing.h>
-#include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
 #include <fsdp/shard_layout.h>
+#include <fsdp/sharding_options.h>
 
 namespace fsdp {
 
@@ -77,19 +77,31 @@ struct FullyShardOptions {
 /// Throws c10::Error naming the field when the options cannot work.
 void validate(const FullyShardOptions& options);
 
+class FSDPModule;
+
 namespace detail {
 class ParamGroup;
-}
+/// The unit behind a handle, for the engine's own files (src/engine/); code outside the engine uses
+/// FSDPModule's methods.
+ParamGroup& group_of(const FSDPModule& module);
+}  // namespace detail
 
-/// A read-only description of one managed parameter, for tests, tools and state dicts.
+/// One managed parameter as state dicts, tools and tests see it: the engine's API for checkpoints,
+/// which never see the unit's internals.
 struct ShardedParameterInfo {
   /// Name relative to the unit's first module.
   std::string name;
   /// The registered parameter (its data is the local shard between steps).
   at::Tensor parameter;
   ShardLayout layout;
-  /// This rank's padded shard (1-D, layout.numel_padded_shard elements).
+  /// The parameter's dtype as stored (mixed precision computes in another).
+  c10::ScalarType original_dtype = c10::kFloat;
+  /// This rank's padded shard (1-D, layout.numel_padded_shard elements). The engine's own storage:
+  /// copying into it while the unit is resharded loads this rank's shard, padding included.
   at::Tensor sharded_padded;
+  /// This rank's rows (layout.sharded_sizes), a view of sharded_padded: copying into it while the
+  /// unit is resharded loads them.
+  at::Tensor sharded_data;
 };
 
 /// A handle to one FSDP unit (FSDP2's FSDPModule methods). Cheap to copy.
@@ -122,9 +134,18 @@ class FSDPModule {
   std::vector<ShardedParameterInfo> sharded_parameters() const;
   /// Bytes held by the unsharded parameter buffer right now (0 while sharded).
   int64_t unsharded_buffer_bytes() const;
-  detail::ParamGroup& group() const { return *group_; }
+  /// How errors name this unit.
+  std::string description() const;
+  const DistributedContext& context() const;
+  /// The ranks this unit's parameters are sharded over; null when they are whole on every rank
+  /// (NO_SHARD, or one rank).
+  const ProcessGroup* shard_group() const;
+  /// The ranks holding the same shards (HYBRID_SHARD's other machines, NO_SHARD's world); null when
+  /// none.
+  const ProcessGroup* replicate_group() const;
 
  private:
+  friend detail::ParamGroup& detail::group_of(const FSDPModule& module);
   std::shared_ptr<detail::ParamGroup> group_;
 };
 

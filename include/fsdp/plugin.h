@@ -27,7 +27,10 @@
 #include <variant>
 #include <vector>
 
+#include <fsdp/auto_wrap.h>
 #include <fsdp/distributed_environment.h>
+#include <fsdp/sharding_options.h>
+#include <fsdp/state_dict_options.h>
 
 namespace torch::nn {
 class Module;
@@ -35,36 +38,12 @@ class Module;
 
 namespace fsdp {
 
-/// torch.distributed.fsdp.ShardingStrategy; the numbers are torch's (digit strings map to them).
-enum class ShardingStrategy {
-  /// Shard parameters, gradients and optimizer state; reshard after forward (ZeRO-3).
-  kFullShard = 1,
-  /// Shard gradients and optimizer state; keep parameters unsharded between forward and backward (ZeRO-2).
-  kShardGradOp = 2,
-  /// Replicate everything; all-reduce gradients (DDP).
-  kNoShard = 3,
-  /// FULL_SHARD inside a machine, replicate across machines.
-  kHybridShard = 4,
-  /// SHARD_GRAD_OP inside a machine, replicate across machines.
-  kHybridShardZero2 = 5,
-};
-
 /// torch.distributed.fsdp.BackwardPrefetch. "NO_PREFETCH" is represented by an empty optional.
 enum class BackwardPrefetch {
   /// Prefetch the next unit's parameters before the current unit's gradient computation.
   kBackwardPre = 1,
   /// Prefetch after the current unit's gradient computation.
   kBackwardPost = 2,
-};
-
-/// torch.distributed.fsdp.StateDictType.
-enum class StateDictType {
-  /// Full, unsharded tensors (gathered, by default on rank 0 and on CPU).
-  kFullStateDict = 1,
-  /// Each unit's flat local shard (version 1 only; same world size to load).
-  kLocalStateDict = 2,
-  /// Each rank's shards with their global shapes and offsets.
-  kShardedStateDict = 3,
 };
 
 enum class AutoWrapKind {
@@ -78,48 +57,9 @@ enum class AutoWrapKind {
   kCallable,
 };
 
-const char* to_string(ShardingStrategy strategy);
 const char* to_string(BackwardPrefetch prefetch);
-const char* to_string(StateDictType type);
 const char* to_string(AutoWrapKind kind);
 
-/// Mixed precision. Version 1 uses buffer_dtype (torch's MixedPrecision); version 2 uses
-/// output_dtype and cast_forward_inputs (torch's MixedPrecisionPolicy). Unset means "as stored".
-struct MixedPrecisionPolicy {
-  /// dtype of unsharded parameters in forward and backward. Default: unset.
-  std::optional<c10::ScalarType> param_dtype;
-  /// dtype of gradient reduction. Default: unset (param_dtype).
-  std::optional<c10::ScalarType> reduce_dtype;
-  /// dtype of buffers (version 1). Default: unset.
-  std::optional<c10::ScalarType> buffer_dtype;
-  /// dtype of the root's outputs (version 2). Default: unset.
-  std::optional<c10::ScalarType> output_dtype;
-  /// Cast floating inputs of forward to param_dtype. Default: true (torch's default).
-  bool cast_forward_inputs = true;
-
-  bool operator==(const MixedPrecisionPolicy& other) const;
-};
-
-/// CPU offload of parameters (and their gradients and optimizer state).
-struct CpuOffloadPolicy {
-  /// Keep sharded parameters on CPU between uses. Default: false.
-  bool offload_params = false;
-  /// Pin the CPU copies (CUDA builds). Default: true, as torch's CPUOffloadPolicy.
-  bool pin_memory = true;
-};
-
-/// FullStateDictConfig / ShardedStateDictConfig and their optimizer twins.
-struct StateDictConfig {
-  /// Move tensors to CPU as they are gathered. Default: derived from the type (true).
-  bool offload_to_cpu = false;
-  /// Only rank 0 holds the full state dict (FULL only). Default: derived (true for FULL).
-  bool rank0_only = false;
-};
-
-/// Decides whether `module` (named `name`, with `unwrapped_numel` parameters not yet in a unit)
-/// becomes its own FSDP unit.
-using AutoWrapCallable =
-    std::function<bool(const torch::nn::Module& module, const std::string& name, int64_t unwrapped_numel)>;
 /// Materializes a module whose parameters are on the meta device (non-recursively).
 using ParamInitFn = std::function<void(torch::nn::Module& module)>;
 
@@ -238,9 +178,6 @@ struct FullyShardedDataParallelPlugin {
 FullyShardedDataParallelPlugin resolve_plugin(const FullyShardedDataParallelPluginArgs& args,
                                               const EnvironmentMap& environment,
                                               const std::map<std::string, std::string>& environment_origins = {});
-
-/// FULL_SHARD and HYBRID_SHARD free unsharded parameters after forward; the others keep them.
-bool reshards_after_forward(ShardingStrategy strategy);
 
 /// A strategy name (any case) or torch's number 1-5. Errors name `field`, `value` and `origin`.
 ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field, const std::string& origin);

@@ -16,7 +16,7 @@
 #include <utility>
 #include <vector>
 
-#include <fsdp/plugin.h>
+#include <fsdp/state_dict_options.h>
 #include <fsdp/process_group.h>
 
 namespace fsdp {
@@ -125,20 +125,6 @@ void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
 c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state);
 /// The inverse; `source` names the file in errors.
 OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, const std::string& source);
-
-// ---------------------------------------------------------------------------------------------
-// The seed's API
-
-class Accelerator;
-
-/// Accelerate's fsdp2_load_full_state_dict: `model` is sharded and holds no parameter data yet
-/// (see release_parameter_storage); `full_state_dict` matters on rank 0 only. Rank 0 broadcasts
-/// the tensors one at a time in state-dict order; each rank keeps its rows, cast to the parameter's
-/// dtype (on CPU: `cpu_offload` holds by construction in this build). Collective.
-std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
-                                                              const std::shared_ptr<torch::nn::Module>& model,
-                                                              const TensorList& full_state_dict,
-                                                              bool cpu_offload = false);
 
 /// Frees every parameter's memory while keeping its shape and dtype: libtorch cannot turn a
 /// meta-device tensor into a real one in place (docs/engine.md, meta device), so this is how a model

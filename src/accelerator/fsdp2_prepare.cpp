@@ -91,6 +91,32 @@ void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& 
 
 }  // namespace
 
+std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullyShardedDataParallelPlugin& plugin,
+                                                               const std::shared_ptr<torch::nn::Module>& model) {
+  switch (plugin.auto_wrap_policy) {
+    case AutoWrapKind::kNoWrap:
+      return std::nullopt;
+    case AutoWrapKind::kCallable:
+      TORCH_CHECK(plugin.auto_wrap_callable, "auto_wrap_policy is a callable but the function is empty");
+      return plugin.auto_wrap_callable;
+    case AutoWrapKind::kSizeBasedWrap:
+      return plugin.fsdp_version == 1 ? size_based_auto_wrap_policy_v1(plugin.min_num_params)
+                                      : size_based_auto_wrap_policy(plugin.min_num_params);
+    case AutoWrapKind::kTransformerBasedWrap: {
+      std::vector<std::string> names;
+      if (plugin.transformer_cls_names_to_wrap) {
+        names = *plugin.transformer_cls_names_to_wrap;
+      } else if (auto* pretrained = dynamic_cast<PretrainedModel*>(model.get())) {
+        names = pretrained->no_split_modules();
+      }
+      if (names.empty()) return AutoWrapCallable([](const torch::nn::Module&, const std::string&, int64_t) { return false; });
+      return transformer_auto_wrap_policy(names, model);
+    }
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown auto-wrap kind");
+}
+
+
 FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {
   FullyShardOptions options;
   options.sharding_strategy = plugin.sharding_strategy;
@@ -191,6 +217,16 @@ void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
       parameters[index] = found->second;
     }
   }
+}
+
+std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
+                                                              const std::shared_ptr<torch::nn::Module>& model,
+                                                              const TensorList& full_state_dict, bool cpu_offload) {
+  TORCH_CHECK(model, "fsdp2_load_full_state_dict: the model is null");
+  std::unique_ptr<TensorListSource> source;
+  if (accelerator.context().rank() == 0) source = std::make_unique<TensorListSource>(full_state_dict, "the full state dict");
+  load_model_state_dict_from_rank0(*model, accelerator.context(), source.get());
+  return model;
 }
 
 }  // namespace fsdp

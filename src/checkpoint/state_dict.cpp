@@ -4,16 +4,15 @@
 #include <nlohmann/json.hpp>
 
 #include <map>
+#include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
-#include <fsdp/accelerator.h>
 #include <fsdp/collectives.h>
 #include <fsdp/fully_shard.h>
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/optimizer_state.h"
-#include "engine/param_group.h"
 
 namespace fsdp {
 namespace {
@@ -24,17 +23,18 @@ struct ModelTensor {
   /// Every name the tensor has (tied weights have several); `name` is the first.
   std::vector<std::string> aliases;
   at::Tensor tensor;
-  detail::ParamGroup* group = nullptr;
-  detail::ShardedParameter* sharded = nullptr;
+  /// The unit that manages the tensor, and its shard there; unset for what no unit manages.
+  std::optional<FSDPModule> unit;
+  std::optional<ShardedParameterInfo> sharded;
 };
 
 std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
-  std::unordered_map<const c10::TensorImpl*, std::pair<detail::ParamGroup*, detail::ShardedParameter*>> managed;
+  std::unordered_map<const c10::TensorImpl*, std::pair<FSDPModule, ShardedParameterInfo>> managed;
   for (const auto& unit : fsdp_modules(model)) {
     // Loads and saves see the sharded parameters, never a gathered forward state.
     unit.reshard();
-    for (auto& parameter : unit.group().parameters()) {
-      managed[parameter.parameter.unsafeGetTensorImpl()] = {&unit.group(), &parameter};
+    for (auto& parameter : unit.sharded_parameters()) {
+      managed.emplace(parameter.parameter.unsafeGetTensorImpl(), std::make_pair(unit, parameter));
     }
   }
   std::vector<ModelTensor> tensors;
@@ -51,7 +51,10 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
     entry.aliases = {name};
     entry.tensor = tensor;
     auto owner = managed.find(tensor.unsafeGetTensorImpl());
-    if (owner != managed.end()) std::tie(entry.group, entry.sharded) = owner->second;
+    if (owner != managed.end()) {
+      entry.unit = owner->second.first;
+      entry.sharded = owner->second.second;
+    }
     tensors.push_back(std::move(entry));
   };
   for (const auto& item : model.named_parameters()) add(item.key(), item.value());
@@ -59,20 +62,21 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
   return tensors;
 }
 
-bool is_sharded(const ModelTensor& entry) { return entry.sharded && entry.group->shard_group(); }
+bool is_sharded(const ModelTensor& entry) { return entry.sharded && entry.unit->shard_group(); }
 
 /// Under HYBRID_SHARD every machine holds the same shards; the first machine's copy is the one saved.
 bool is_replica_copy(const ModelTensor& entry) {
-  return entry.group && entry.group->replicate_group() && entry.group->replicate_group()->rank() != 0;
+  return entry.unit && entry.unit->replicate_group() && entry.unit->replicate_group()->rank() != 0;
 }
 
 /// The full tensor from this rank's padded shard: all-gathered over the unit's shard group.
-at::Tensor gather_full(const detail::ParamGroup& group, const at::Tensor& padded_shard, const ShardLayout& layout) {
-  const int64_t shard_size = group.shard_world_size();
+at::Tensor gather_full(const FSDPModule& unit, const at::Tensor& padded_shard, const ShardLayout& layout) {
+  const auto* group = unit.shard_group();
+  const int64_t shard_size = group ? group->size() : 1;
   at::Tensor gathered = padded_shard.contiguous();
   if (shard_size > 1) {
     gathered = at::empty({shard_size * layout.numel_padded_shard}, padded_shard.options());
-    all_gather(*group.shard_group(), gathered, padded_shard.contiguous());
+    all_gather(*group, gathered, padded_shard.contiguous());
   }
   return gathered.narrow(0, 0, layout.numel_unsharded()).view(layout.unsharded_sizes).clone();
 }
@@ -170,12 +174,12 @@ at::Tensor TensorListSource::rows(const std::string& name, int64_t row_begin, in
 
 TensorList full_model_state_dict(torch::nn::Module& model, const StateDictConfig& config) {
   const auto units = fsdp_modules(model);
-  const int64_t rank = units.empty() ? 0 : units.front().group().context().rank();
+  const int64_t rank = units.empty() ? 0 : units.front().context().rank();
   const bool keep = !config.rank0_only || rank == 0;
   TensorList result;
   for (const auto& entry : model_tensors(model)) {
     // Every rank takes part in each gather, whether or not it keeps the result.
-    at::Tensor full = entry.sharded ? gather_full(*entry.group, entry.sharded->sharded_padded, entry.sharded->layout)
+    at::Tensor full = entry.sharded ? gather_full(*entry.unit, entry.sharded->sharded_padded, entry.sharded->layout)
                                     : entry.tensor.detach().clone();
     if (keep) result.emplace_back(entry.name, std::move(full));
   }
@@ -208,12 +212,12 @@ TensorList local_model_state_dict(torch::nn::Module& model) {
   for (const auto& item : model.named_modules()) module_names[item.value().get()] = item.key();
   for (const auto& unit : fsdp_modules(model)) {
     unit.reshard();
-    const auto& parameters = unit.group().parameters();
+    const auto parameters = unit.sharded_parameters();
     if (parameters.empty()) continue;
     std::vector<at::Tensor> pieces;
     for (const auto& parameter : parameters) {
       TORCH_CHECK(parameter.original_dtype == parameters.front().original_dtype, "LOCAL_STATE_DICT: ",
-                  unit.group().description(), " mixes ", parameters.front().original_dtype, " and ",
+                  unit.description(), " mixes ", parameters.front().original_dtype, " and ",
                   parameter.original_dtype, " parameters, which cannot share one flat tensor; use SHARDED_STATE_DICT");
       pieces.push_back(parameter.sharded_padded);
     }
@@ -321,21 +325,21 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
   at::NoGradGuard no_grad;
   for (const auto& unit : fsdp_modules(model)) {
     unit.reshard();
-    auto& parameters = unit.group().parameters();
+    const auto parameters = unit.sharded_parameters();
     if (parameters.empty()) continue;
     const auto& module_name = module_names.at(unit.module().get());
     const std::string name = module_name.empty() ? "flat_param" : module_name + ".flat_param";
-    TORCH_CHECK(source.contains(name), "LOCAL state dict has no '", name, "' for ", unit.group().description(),
+    TORCH_CHECK(source.contains(name), "LOCAL state dict has no '", name, "' for ", unit.description(),
                 "; it was saved from a model wrapped differently");
     int64_t total = 0;
     for (const auto& parameter : parameters) total += parameter.layout.numel_padded_shard;
     const auto shape = source.shape(name);
     TORCH_CHECK(shape.size() == 1 && shape[0] == total, "LOCAL state dict entry '", name, "' has shape ",
-                shape_text(shape), " but this rank's shards of ", unit.group().description(), " hold ", total,
+                shape_text(shape), " but this rank's shards of ", unit.description(), " hold ", total,
                 " elements: LOCAL_STATE_DICT loads only on the world size and wrapping it was saved with");
     auto flat = source.rows(name, 0, total);
     int64_t offset = 0;
-    for (auto& parameter : parameters) {
+    for (const auto& parameter : parameters) {
       parameter.sharded_padded.copy_(flat.narrow(0, offset, parameter.layout.numel_padded_shard));
       offset += parameter.layout.numel_padded_shard;
     }
@@ -359,7 +363,7 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
   result.optimizer = detail::optimizer_type(optimizer);
   auto groups = nlohmann::json::array();
   const auto units = fsdp_modules(model);
-  const int64_t rank = units.empty() ? 0 : units.front().group().context().rank();
+  const int64_t rank = units.empty() ? 0 : units.front().context().rank();
   const bool keep = !full_config || !full_config->rank0_only || rank == 0;
   for (auto& group : optimizer.param_groups()) {
     auto values = detail::options_json(result.optimizer, group.options());
@@ -377,7 +381,7 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
         if (sharded_like_parameter(entry, value)) {
           const auto& layout = entry.sharded->layout;
           if (full_config) {
-            sharded.local = gather_full(*entry.group, padded(value, layout), layout);
+            sharded.local = gather_full(*entry.unit, padded(value, layout), layout);
             sharded.global_shape = layout.unsharded_sizes;
             sharded.replicated = true;
           } else {
@@ -597,16 +601,6 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
   }
   result.param_groups_json = groups.dump();
   return result;
-}
-
-std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
-                                                              const std::shared_ptr<torch::nn::Module>& model,
-                                                              const TensorList& full_state_dict, bool cpu_offload) {
-  TORCH_CHECK(model, "fsdp2_load_full_state_dict: the model is null");
-  std::unique_ptr<TensorListSource> source;
-  if (accelerator.context().rank() == 0) source = std::make_unique<TensorListSource>(full_state_dict, "the full state dict");
-  load_model_state_dict_from_rank0(*model, accelerator.context(), source.get());
-  return model;
 }
 
 void release_parameter_storage(torch::nn::Module& model) {

@@ -79,11 +79,15 @@ struct EnumNames {
 };
 
 const EnumNames<ShardingStrategy>& sharding_names() {
-  static const EnumNames<ShardingStrategy> names{{{"FULL_SHARD", ShardingStrategy::kFullShard},
-                                                  {"SHARD_GRAD_OP", ShardingStrategy::kShardGradOp},
-                                                  {"NO_SHARD", ShardingStrategy::kNoShard},
-                                                  {"HYBRID_SHARD", ShardingStrategy::kHybridShard},
-                                                  {"HYBRID_SHARD_ZERO2", ShardingStrategy::kHybridShardZero2}}};
+  // In torch's order: a digit string is the position.
+  static const EnumNames<ShardingStrategy> names{[] {
+    std::vector<std::pair<std::string, ShardingStrategy>> list;
+    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                          ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
+      list.emplace_back(to_string(strategy), strategy);
+    }
+    return list;
+  }()};
   return names;
 }
 
@@ -94,9 +98,13 @@ const EnumNames<BackwardPrefetch>& prefetch_names() {
 }
 
 const EnumNames<StateDictType>& state_dict_names() {
-  static const EnumNames<StateDictType> names{{{"FULL_STATE_DICT", StateDictType::kFullStateDict},
-                                               {"LOCAL_STATE_DICT", StateDictType::kLocalStateDict},
-                                               {"SHARDED_STATE_DICT", StateDictType::kShardedStateDict}}};
+  static const EnumNames<StateDictType> names{[] {
+    std::vector<std::pair<std::string, StateDictType>> list;
+    for (auto type : {StateDictType::kFullStateDict, StateDictType::kLocalStateDict, StateDictType::kShardedStateDict}) {
+      list.emplace_back(to_string(type), type);
+    }
+    return list;
+  }()};
   return names;
 }
 
@@ -631,9 +639,7 @@ nlohmann::json dtype_json(const std::optional<c10::ScalarType>& dtype) {
 
 }  // namespace
 
-const char* to_string(ShardingStrategy strategy) { return sharding_names().name_of(strategy).c_str(); }
 const char* to_string(BackwardPrefetch prefetch) { return prefetch_names().name_of(prefetch).c_str(); }
-const char* to_string(StateDictType type) { return state_dict_names().name_of(type).c_str(); }
 const char* to_string(AutoWrapKind kind) {
   if (kind == AutoWrapKind::kCallable) return "CALLABLE";
   for (const auto& [name, entry] : wrap_names()) {
@@ -642,17 +648,8 @@ const char* to_string(AutoWrapKind kind) {
   return "UNKNOWN";
 }
 
-bool reshards_after_forward(ShardingStrategy strategy) {
-  return strategy == ShardingStrategy::kFullShard || strategy == ShardingStrategy::kHybridShard;
-}
-
 ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field, const std::string& origin) {
   return sharding_names().parse(field, value, origin);
-}
-
-bool MixedPrecisionPolicy::operator==(const MixedPrecisionPolicy& other) const {
-  return param_dtype == other.param_dtype && reduce_dtype == other.reduce_dtype && buffer_dtype == other.buffer_dtype &&
-         output_dtype == other.output_dtype && cast_forward_inputs == other.cast_forward_inputs;
 }
 
 bool parse_bool(const std::string& value, const std::string& what) {

@@ -9,7 +9,6 @@
 #include <sstream>
 #include <unordered_set>
 
-#include <fsdp/pretrained_model.h>
 
 namespace fsdp {
 namespace {
@@ -101,31 +100,6 @@ AutoWrapCallable size_based_auto_wrap_policy_v1(int64_t min_num_params) {
     }
     return unwrapped_numel > 0 && unwrapped_numel >= min_num_params;
   };
-}
-
-std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullyShardedDataParallelPlugin& plugin,
-                                                               const std::shared_ptr<torch::nn::Module>& model) {
-  switch (plugin.auto_wrap_policy) {
-    case AutoWrapKind::kNoWrap:
-      return std::nullopt;
-    case AutoWrapKind::kCallable:
-      TORCH_CHECK(plugin.auto_wrap_callable, "auto_wrap_policy is a callable but the function is empty");
-      return plugin.auto_wrap_callable;
-    case AutoWrapKind::kSizeBasedWrap:
-      return plugin.fsdp_version == 1 ? size_based_auto_wrap_policy_v1(plugin.min_num_params)
-                                      : size_based_auto_wrap_policy(plugin.min_num_params);
-    case AutoWrapKind::kTransformerBasedWrap: {
-      std::vector<std::string> names;
-      if (plugin.transformer_cls_names_to_wrap) {
-        names = *plugin.transformer_cls_names_to_wrap;
-      } else if (auto* pretrained = dynamic_cast<PretrainedModel*>(model.get())) {
-        names = pretrained->no_split_modules();
-      }
-      if (names.empty()) return AutoWrapCallable([](const torch::nn::Module&, const std::string&, int64_t) { return false; });
-      return transformer_auto_wrap_policy(names, model);
-    }
-  }
-  TORCH_INTERNAL_ASSERT(false, "unknown auto-wrap kind");
 }
 
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> modules_to_wrap(

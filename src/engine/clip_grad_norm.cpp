@@ -35,7 +35,7 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
   std::optional<ProcessGroup> shard_group;
   std::unordered_set<const c10::TensorImpl*> managed;
   for (const auto& unit : fsdp_modules(model)) {
-    auto& group = unit.group();
+    auto& group = detail::group_of(unit);
     if (auto state = group.root_state()) {
       TORCH_CHECK(!state->iteration_active(),
                   "clip_grad_norm_: a forward of this model has not been followed by its backward yet, so the "

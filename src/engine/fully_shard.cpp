@@ -62,7 +62,7 @@ namespace {
 
 std::vector<std::weak_ptr<detail::ParamGroup>> prefetch_list(const std::vector<FSDPModule>& modules) {
   std::vector<std::weak_ptr<detail::ParamGroup>> targets;
-  for (const auto& module : modules) targets.push_back(module.group().shared_from_this());
+  for (const auto& module : modules) targets.push_back(detail::group_of(module).shared_from_this());
   return targets;
 }
 
@@ -90,7 +90,7 @@ void FSDPModule::set_requires_gradient_sync(bool requires_sync, bool recurse) co
     group_->set_requires_gradient_sync(requires_sync);
     return;
   }
-  for (const auto& unit : fsdp_modules(*module())) unit.group().set_requires_gradient_sync(requires_sync);
+  for (const auto& unit : fsdp_modules(*module())) detail::group_of(unit).set_requires_gradient_sync(requires_sync);
 }
 
 void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recurse) const {
@@ -98,7 +98,7 @@ void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recu
     group_->set_reshard_after_forward(reshard_after_forward);
     return;
   }
-  for (const auto& unit : fsdp_modules(*module())) unit.group().set_reshard_after_forward(reshard_after_forward);
+  for (const auto& unit : fsdp_modules(*module())) detail::group_of(unit).set_reshard_after_forward(reshard_after_forward);
 }
 
 bool FSDPModule::is_root() const { return group_->is_root(); }
@@ -111,10 +111,23 @@ std::vector<ShardedParameterInfo> FSDPModule::sharded_parameters() const {
   std::vector<ShardedParameterInfo> infos;
   for (const auto& parameter : group_->parameters()) {
     infos.push_back(ShardedParameterInfo{parameter.name, parameter.parameter, parameter.layout,
-                                         parameter.sharded_padded});
+                                         parameter.original_dtype, parameter.sharded_padded, parameter.sharded_data});
   }
   return infos;
 }
+
+std::string FSDPModule::description() const { return group_->description(); }
+const DistributedContext& FSDPModule::context() const { return group_->context(); }
+const ProcessGroup* FSDPModule::shard_group() const {
+  return group_->shard_group() ? &*group_->shard_group() : nullptr;
+}
+const ProcessGroup* FSDPModule::replicate_group() const {
+  return group_->replicate_group() ? &*group_->replicate_group() : nullptr;
+}
+
+namespace detail {
+ParamGroup& group_of(const FSDPModule& module) { return *module.group_; }
+}  // namespace detail
 
 int64_t FSDPModule::unsharded_buffer_bytes() const { return group_->unsharded_buffer_bytes(); }
 

@@ -66,21 +66,5 @@ TEST(AutoWrap, CallableSeesParametersNotYetWrapped) {
   EXPECT_EQ(seen.count(""), 0u) << "the root is never offered";
 }
 
-TEST(AutoWrap, PluginPolicyFollowsAccelerate) {
-  testing::TinyTransformer model;
-  FullyShardedDataParallelPluginArgs args;
-  args.fsdp_version = int64_t{2};
-  args.auto_wrap_policy = std::string("transformer_based_wrap");
-  FullyShardedDataParallelPlugin plugin(args, EnvironmentMap{});
-  // No class names configured: the model's no_split_modules().
-  auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model.ptr());
-  ASSERT_TRUE(policy);
-  EXPECT_EQ(modules_to_wrap(model.ptr(), *policy).size(), 2u);
-  plugin.transformer_cls_names_to_wrap = std::vector<std::string>{"LayerNorm"};
-  EXPECT_EQ(modules_to_wrap(model.ptr(), *fsdp2_prepare_auto_wrap_policy(plugin, model.ptr())).size(), 5u);
-  plugin.auto_wrap_policy = AutoWrapKind::kNoWrap;
-  EXPECT_FALSE(fsdp2_prepare_auto_wrap_policy(plugin, model.ptr()));
-}
-
 }  // namespace
 }  // namespace fsdp

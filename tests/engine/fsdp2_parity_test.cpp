@@ -75,6 +75,7 @@ struct ParityCase {
   int accumulation = 1;
   bool bf16 = false;
 };
+// ctest's test names (CMake 3.25) carry the printed parameter: the case's name keeps them stable.
 void PrintTo(const ParityCase& parity, std::ostream* out) { *out << parity.name; }
 
 std::string case_json(const ParityCase& parity) {
