@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
+#include <unordered_map>
 #include <unordered_set>
 
 #include "engine/registry.h"
@@ -167,7 +168,7 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
   if (auto existing = group.root_state()) return existing;
   auto groups = all_param_groups();
   auto first_module = group.modules().front().lock();
-  TORCH_CHECK(first_module, "FSDP: the module of ", group.description(), " was destroyed");
+  TORCH_CHECK(first_module, group.on_rank(), "FSDP: the module of ", group.description(), " was destroyed");
   // The root is the outermost unit whose modules contain this one.
   std::shared_ptr<ParamGroup> root;
   std::unordered_set<const torch::nn::Module*> root_subtree;
@@ -184,8 +185,22 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
   for (const auto& candidate : groups) {
     if (root_subtree.count(candidate->modules().front().lock().get())) tree.push_back(candidate);
   }
+  // Units are named by their module path in the root's module, as FSDP2 names them.
+  if (auto root_module = root->modules().front().lock()) {
+    std::unordered_map<const torch::nn::Module*, std::string> paths;
+    for (const auto& item : root_module->named_modules()) paths.emplace(item.value().get(), item.key());
+    for (const auto& member : tree) {
+      std::string path;
+      for (const auto& module : member->modules()) {
+        auto live = module.lock();
+        auto found = live ? paths.find(live.get()) : paths.end();
+        path += (path.empty() ? "" : " + ") + (found != paths.end() ? found->second : std::string("?"));
+      }
+      member->set_module_path(path);
+    }
+  }
   for (const auto& member : tree) {
-    TORCH_CHECK(member->options().sharding_strategy == root->options().sharding_strategy, "FSDP: ",
+    TORCH_CHECK(member->options().sharding_strategy == root->options().sharding_strategy, root->on_rank(), "FSDP: ",
                 member->description(), " uses ", to_string(member->options().sharding_strategy), " but the root ",
                 root->description(), " uses ", to_string(root->options().sharding_strategy),
                 "; every unit of one model must use the same sharding strategy");
@@ -200,7 +215,7 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
 }
 
 void run_pre_forward(ParamGroup& group) {
-  TORCH_CHECK(!inside_checkpointed_forward(), group.description(),
+  TORCH_CHECK(!inside_checkpointed_forward(), group.on_rank(), group.description(),
               " runs inside an activation-checkpointed module, so its gradients would be reduced during the "
               "recomputation. Checkpoint the unit's own module or modules inside it instead (e.g. the children of "
               "each transformer block, as Accelerate does with TRANSFORMER_BASED_WRAP)");

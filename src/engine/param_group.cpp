@@ -55,14 +55,16 @@ ParamGroup::ParamGroup(std::vector<std::shared_ptr<torch::nn::Module>> modules, 
 }
 
 std::string ParamGroup::description() const {
-  std::ostringstream text;
-  text << "FSDP unit over ";
+  std::ostringstream classes;
   for (size_t i = 0; i < modules_.size(); ++i) {
     auto module = modules_[i].lock();
-    text << (i ? ", " : "") << (module ? module->name() : std::string("<destroyed module>"));
+    classes << (i ? ", " : "") << (module ? module->name() : std::string("<destroyed module>"));
   }
-  return text.str();
+  if (!module_path_) return "FSDP unit over " + classes.str();
+  return "FSDP unit " + (module_path_->empty() ? std::string("<root>") : *module_path_) + " (" + classes.str() + ")";
 }
+
+std::string ParamGroup::on_rank() const { return "[rank " + std::to_string(context_.rank()) + "] "; }
 
 bool ParamGroup::reshard_after_forward() const {
   if (reshard_after_forward_override_) return *reshard_after_forward_override_;
@@ -99,7 +101,7 @@ void ParamGroup::initialize() {
     for (auto& parameter : parameters_) {
       auto data = parameter.parameter.detach();
       if (data.numel() > 0 && data.storage().nbytes() == 0) continue;  // released: nothing to sync
-      TORCH_CHECK(data.is_contiguous(), "fully_shard(sync_module_states): parameter '", parameter.name,
+      TORCH_CHECK(data.is_contiguous(), on_rank(), "fully_shard(sync_module_states): parameter '", parameter.name,
                   "' is not contiguous; call .contiguous() on it first");
       broadcast(world, data, 0);
     }
@@ -109,7 +111,7 @@ void ParamGroup::initialize() {
   int64_t all_gather_bytes = 0;
   int64_t unsharded_bytes = 0;
   for (auto& parameter : parameters_) {
-    TORCH_CHECK(!parameter.parameter.grad().defined(), "fully_shard: parameter '", parameter.name,
+    TORCH_CHECK(!parameter.parameter.grad().defined(), on_rank(), "fully_shard: parameter '", parameter.name,
                 "' already has a gradient of the full shape, which the sharded parameter cannot keep. Reset it first "
                 "(parameter.mutable_grad() = torch::Tensor(), or build the optimizer after sharding)");
     auto full = parameter.parameter.detach();
@@ -167,7 +169,7 @@ void ParamGroup::refresh_trainable_parameters() {
     if (!trainable.empty()) {
       const auto* first = trainable.front();
       TORCH_CHECK(options_.mixed_precision.reduce_dtype || parameter.compute_dtype == first->compute_dtype,
-                  description(), ": trainable parameters '", first->name, "' (", first->compute_dtype, ") and '",
+                  on_rank(), description(), ": trainable parameters '", first->name, "' (", first->compute_dtype, ") and '",
                   parameter.name, "' (", parameter.compute_dtype,
                   ") have different dtypes, so their gradients cannot be reduced together. Give every trainable "
                   "parameter of a unit the same dtype, set mixed_precision.reduce_dtype, or put them in different "
@@ -318,7 +320,7 @@ void ParamGroup::end_iteration(bool check) {
     parameter.stashed_sharded_gradient = at::Tensor();
     parameter.gradient_stashed = false;
   }
-  TORCH_CHECK(!check || stray_gradient.empty(), stray_gradient, kCalledWithoutFsdpForward);
+  TORCH_CHECK(!check || stray_gradient.empty(), on_rank(), stray_gradient, kCalledWithoutFsdpForward);
 }
 
 void ParamGroup::post_backward() {
@@ -334,7 +336,7 @@ void ParamGroup::post_backward() {
     if (!parameter.requires_grad) continue;
     auto gradient = parameter.parameter.grad();
     if (!gradient.defined()) continue;
-    TORCH_CHECK(gradient.sizes() == at::IntArrayRef(parameter.layout.unsharded_sizes), "parameter '", parameter.name,
+    TORCH_CHECK(gradient.sizes() == at::IntArrayRef(parameter.layout.unsharded_sizes), on_rank(), "parameter '", parameter.name,
                 "' of ", description(), " received a gradient of shape ", sizes_text(gradient.sizes()),
                 " but its full shape is ", sizes_text(parameter.layout.unsharded_sizes), kCalledWithoutFsdpForward);
     parameter.parameter.mutable_grad() = at::Tensor();

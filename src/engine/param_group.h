@@ -112,7 +112,14 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   int64_t shard_rank() const { return shard_group_ ? shard_group_->rank() : 0; }
   const std::optional<ProcessGroup>& shard_group() const { return shard_group_; }
   const std::optional<ProcessGroup>& replicate_group() const { return replicate_group_; }
+  /// How errors name the unit: its module path in the model (FSDP2's naming, "unit model.layers.3
+  /// (LlamaDecoderLayerImpl)"), known once the root is (lazy_init or the first forward); before
+  /// that, its modules' classes.
   std::string description() const;
+  /// Set by the root state for every unit of its tree; "" is the root module itself.
+  void set_module_path(std::string path) { module_path_ = std::move(path); }
+  /// "[rank N] ": every engine error that a unit raises starts with it, since N ranks log together.
+  std::string on_rank() const;
 
   ShardedState sharded_state() const { return sharded_state_; }
   bool is_root() const { return is_root_; }
@@ -195,6 +202,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::optional<bool> reshard_after_forward_override_;
   bool requires_gradient_sync_ = true;
   std::weak_ptr<RootState> root_state_;
+  std::optional<std::string> module_path_;
 
   bool iteration_active_ = false;
   bool used_since_reduce_ = false;

@@ -52,7 +52,7 @@ void register_param_group(const std::shared_ptr<ParamGroup>& group) {
   std::lock_guard<std::mutex> lock(state.mutex);
   state.drop_dead_entries();
   for (const auto& root_state : state.root_states) {
-    TORCH_CHECK(!root_state->iteration_active(), "fully_shard: ", group->description(),
+    TORCH_CHECK(!root_state->iteration_active(), group->on_rank(), "fully_shard: ", group->description(),
                 " was created while a training iteration of ", root_state->root()->description(),
                 " is in progress (after a forward, before its backward). Shard every module before training");
   }

@@ -530,5 +530,26 @@ TEST(FullyShard, OptionsAndMisuseGiveClearErrors) {
   EXPECT_NE(message.find("is already an FSDP unit"), std::string::npos) << message;
 }
 
+// Engine errors say which rank raised them, and units are named by their module path in the model
+// once the root is known (FSDP2's naming), by their class before.
+TEST(FullyShard, ErrorsNameTheRankAndUnitsByModulePath) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(0);
+    testing::TinyTransformer model;
+    for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
+    fully_shard(model.ptr(), context);
+    const auto layer = *fsdp_module_of(*model->layers[1]);
+    EXPECT_EQ(layer.description(), "FSDP unit over fsdp::testing::TransformerBlockImpl");
+    layer.lazy_init();
+    EXPECT_EQ(layer.description(), "FSDP unit layers_1 (fsdp::testing::TransformerBlockImpl)");
+    EXPECT_EQ(fsdp_module_of(*model)->description(), "FSDP unit <root> (fsdp::testing::TinyTransformerImpl)");
+    auto loss = fsdp::forward(model, torch::randint(0, 11, {2, 5})).sum();
+    const auto message = testing::error_message_of([&] { clip_grad_norm_(*model, 1.0); });
+    const std::string prefix = "[rank " + std::to_string(context.rank()) + "] clip_grad_norm_: a forward";
+    EXPECT_EQ(message.rfind(prefix, 0), 0u) << message;
+    loss.backward();
+  });
+}
+
 }  // namespace
 }  // namespace fsdp
