@@ -36,7 +36,7 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
   std::unordered_set<const c10::TensorImpl*> managed;
   for (const auto& unit : fsdp_modules(model)) {
     auto& group = detail::group_of(unit);
-    if (auto state = group.root_state()) {
+    if (auto state = detail::root_state_of(group)) {
       TORCH_CHECK(!state->iteration_active(), group.on_rank(),
                   "clip_grad_norm_: a forward of this model has not been followed by its backward yet, so the "
                   "sharded gradients are not in place. Call it after loss.backward()");

@@ -77,7 +77,7 @@ void FSDPModule::set_modules_to_backward_prefetch(const std::vector<FSDPModule>&
 }
 
 void FSDPModule::reshard() const {
-  auto state = group_->root_state();
+  auto state = detail::root_state_of(*group_);
   if (state && group_->is_root()) {
     state->end_iteration();
   } else {

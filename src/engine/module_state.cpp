@@ -24,7 +24,9 @@ std::unordered_set<const torch::nn::Module*> subtree_of(const ParamGroup& group)
 }
 
 struct GroupHolder : torch::CustomClassHolder {
-  explicit GroupHolder(std::weak_ptr<ParamGroup> group) : group(std::move(group)) {}
+  GroupHolder(std::weak_ptr<RootState> root_state, std::weak_ptr<ParamGroup> group)
+      : root_state(std::move(root_state)), group(std::move(group)) {}
+  std::weak_ptr<RootState> root_state;
   std::weak_ptr<ParamGroup> group;
 };
 
@@ -38,7 +40,9 @@ struct PostBackwardFunction : public torch::autograd::Function<PostBackwardFunct
   static torch::autograd::variable_list backward(torch::autograd::AutogradContext* context,
                                                  torch::autograd::variable_list gradients) {
     auto holder = c10::static_intrusive_pointer_cast<GroupHolder>(context->saved_data["group"].toCapsule());
-    if (auto group = holder->group.lock()) group->on_input_gradient();
+    auto root_state = holder->root_state.lock();
+    auto group = holder->group.lock();
+    if (root_state && group) root_state->on_input_gradient(*group);
     return {gradients[0], at::Tensor()};
   }
 };
@@ -111,14 +115,29 @@ void RootState::on_backward_hook() {
   torch::autograd::Engine::get_default_engine().queue_callback([self] { self->finish_backward(); });
 }
 
+void RootState::pre_backward(ParamGroup& group) {
+  on_backward_hook();
+  group.pre_backward(group.backward_prefetch_pending() ? backward_prefetch_targets(group)
+                                                       : std::vector<std::shared_ptr<ParamGroup>>{});
+}
+
+void RootState::on_input_gradient(ParamGroup& group) {
+  if (group.on_input_gradient()) post_backward(group);
+}
+
+void RootState::post_backward(ParamGroup& group) {
+  group.post_backward();
+  if (group.has_reduction_in_flight()) track_reduction(group.shared_from_this());
+}
+
 void RootState::finish_backward() {
   final_callback_queued_ = false;
   // A fixed order on every rank: reverse forward order, then the units nobody forwarded.
   for (auto it = post_forward_order_.rbegin(); it != post_forward_order_.rend(); ++it) {
-    if ((*it)->needs_post_backward()) (*it)->post_backward();
+    if ((*it)->needs_post_backward()) post_backward(**it);
   }
   for (auto it = groups_.rbegin(); it != groups_.rend(); ++it) {
-    if ((*it)->needs_post_backward()) (*it)->post_backward();
+    if ((*it)->needs_post_backward()) post_backward(**it);
   }
   finish_reductions();
   end_iteration();
@@ -165,7 +184,7 @@ void RootState::end_iteration(bool check) {
 }
 
 std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
-  if (auto existing = group.root_state()) return existing;
+  if (auto existing = root_state_of(group)) return existing;
   auto groups = all_param_groups();
   auto first_module = group.modules().front().lock();
   TORCH_CHECK(first_module, group.on_rank(), "FSDP: the module of ", group.description(), " was destroyed");
@@ -206,10 +225,7 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
                 "; every unit of one model must use the same sharding strategy");
   }
   auto root_state = std::make_shared<RootState>(root, tree);
-  for (const auto& member : tree) {
-    member->set_root(member == root);
-    member->set_root_state(root_state);
-  }
+  for (const auto& member : tree) member->set_root(member == root);
   register_root_state(root_state);
   return root_state;
 }
@@ -235,7 +251,8 @@ at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input) {
   }
   if (c10::GradMode::is_enabled() && result.requires_grad()) {
     group.expect_input_gradient();
-    result = PostBackwardFunction::apply(result, c10::make_intrusive<GroupHolder>(group.weak_from_this()));
+    result = PostBackwardFunction::apply(
+        result, c10::make_intrusive<GroupHolder>(ensure_root_state(group), group.weak_from_this()));
   }
   return result;
 }
@@ -249,7 +266,7 @@ void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs) {
     }
   }
   group.post_forward(grad_enabled);
-  auto root_state = group.root_state();
+  auto root_state = root_state_of(group);
   if (!grad_enabled) {
     // No backward can follow: once the root's forward is over, nothing needs gathered parameters.
     if (root_state && group.is_root()) root_state->end_iteration();
@@ -257,12 +274,15 @@ void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs) {
   }
   bool any_output_requires_grad = false;
   std::weak_ptr<ParamGroup> weak_group = group.shared_from_this();
+  std::weak_ptr<RootState> weak_root_state = root_state;
   for (auto* output : outputs) {
     // A leaf output (a parameter returned as is) would keep the hook forever; skip it.
     if (!output->defined() || !output->requires_grad() || !output->grad_fn()) continue;
     any_output_requires_grad = true;
-    output->register_hook([weak_group](const at::Tensor&) {
-      if (auto locked = weak_group.lock()) locked->pre_backward();
+    output->register_hook([weak_root_state, weak_group](const at::Tensor&) {
+      auto state = weak_root_state.lock();
+      auto locked = weak_group.lock();
+      if (state && locked) state->pre_backward(*locked);
     });
   }
   if (root_state) {

@@ -52,6 +52,13 @@ class RootState : public std::enable_shared_from_this<RootState> {
   /// Units to all-gather while `group` computes its backward: its explicit list, or else the unit
   /// whose forward finished just before this one's (FSDP2's default backward prefetch).
   std::vector<std::shared_ptr<ParamGroup>> backward_prefetch_targets(ParamGroup& group);
+  /// The hook on a unit's outputs: the iteration's bookkeeping (on_backward_hook), then the unit's
+  /// all-gather and, the first time in this backward, its prefetch targets.
+  void pre_backward(ParamGroup& group);
+  /// The backward of one of `group`'s wrapped inputs ran; when it was the last, `group` reduces.
+  void on_input_gradient(ParamGroup& group);
+  /// Reduces `group` and tracks its reduction in flight.
+  void post_backward(ParamGroup& group);
   /// Called by every pre-backward hook: starts the iteration if a second backward reuses a graph and
   /// queues the end-of-backward callback once.
   void on_backward_hook();

@@ -8,7 +8,6 @@
 #include <fsdp/collectives.h>
 
 #include "memory/buffer_pool.h"
-#include "engine/module_state.h"
 
 namespace fsdp::detail {
 namespace {
@@ -272,20 +271,18 @@ void ParamGroup::post_forward(bool grad_enabled) {
   if (reshard_after_forward()) reshard();
 }
 
-void ParamGroup::pre_backward() {
-  auto state = root_state();
-  if (state) state->on_backward_hook();
+void ParamGroup::pre_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets) {
   unshard(/*async_op=*/true);
-  if (state && !backward_prefetch_done_) {
+  if (!backward_prefetch_done_) {
     backward_prefetch_done_ = true;
-    for (const auto& target : state->backward_prefetch_targets(*this)) target->unshard(/*async_op=*/true);
+    for (const auto& target : prefetch_targets) target->unshard(/*async_op=*/true);
   }
   wait_for_unshard();
   used_since_reduce_ = true;
 }
 
-void ParamGroup::on_input_gradient() {
-  if (pending_input_gradients_ > 0 && --pending_input_gradients_ == 0) post_backward();
+bool ParamGroup::on_input_gradient() {
+  return pending_input_gradients_ > 0 && --pending_input_gradients_ == 0;
 }
 
 void ParamGroup::begin_iteration() {
@@ -421,11 +418,6 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
     if (replicate_group_) pending.work = all_reduce_async(*replicate_group_, pending.output);
   }
   reduction_in_flight_ = std::move(pending);
-  if (auto state = root_state()) {
-    state->track_reduction(shared_from_this());
-  } else {
-    finish_reduction();
-  }
 }
 
 void ParamGroup::finish_reduction() {

@@ -70,8 +70,6 @@ struct ShardedParameter {
   at::Tensor unsharded_accumulated_gradient;
 };
 
-class RootState;
-
 /// [Note: overlapping reductions]
 /// A unit's reduce-scatter (or NO_SHARD all-reduce) is issued asynchronously, so Gloo moves the bytes
 /// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
@@ -124,8 +122,6 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   ShardedState sharded_state() const { return sharded_state_; }
   bool is_root() const { return is_root_; }
   void set_root(bool is_root) { is_root_ = is_root; }
-  void set_root_state(std::shared_ptr<RootState> root_state) { root_state_ = std::move(root_state); }
-  std::shared_ptr<RootState> root_state() const { return root_state_.lock(); }
   bool reshard_after_forward() const;
   void set_reshard_after_forward(bool value) { reshard_after_forward_override_ = value; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
@@ -154,19 +150,27 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// prefetch pops the last one (FSDP2's _post_forward_indices).
   std::vector<size_t>& post_forward_indices() { return post_forward_indices_; }
 
-  // Training-iteration protocol, driven by the hooks in module_state.cpp.
+  // Training-iteration protocol. The root state (module_state.h) drives it from its hooks and calls
+  // the unit, never the reverse: a unit knows nothing of its tree.
   /// Issues this unit's all-gather, then the prefetches `targets`, then waits for its own.
   void pre_forward(bool grad_enabled, const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets);
   void post_forward(bool grad_enabled);
-  void pre_backward();
+  /// Whether this backward has not prefetched yet: the unit's outputs each carry a hook, and only
+  /// the first of them prefetches.
+  bool backward_prefetch_pending() const { return !backward_prefetch_done_; }
+  /// Issues this unit's all-gather, then (the first time in this backward) the prefetches
+  /// `targets`, then waits for its own.
+  void pre_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets);
   /// A forward input of this unit was wrapped; its gradient will report through on_input_gradient.
   void expect_input_gradient() { ++pending_input_gradients_; }
-  /// The gradient of one wrapped input arrived: the unit's backward for it is complete. When every
-  /// wrapped input has reported, the unit's gradients are reduced (FSDP2's post-backward trigger).
-  void on_input_gradient();
+  /// The gradient of one wrapped input arrived: the unit's backward for it is complete. True when
+  /// every wrapped input has reported: the unit's gradients are due for reduction (FSDP2's
+  /// post-backward trigger).
+  bool on_input_gradient();
   /// Reduces the gradients (or accumulates them while sync is off) and reshards; the reduction may
-  /// still be in flight when it returns (see the note above).
+  /// still be in flight when it returns (see the note above), which the caller then tracks.
   void post_backward();
+  bool has_reduction_in_flight() const { return reduction_in_flight_.has_value(); }
   /// Waits for this unit's reduction in flight, if any, and adds its result to the sharded gradients.
   void finish_reduction();
   /// Whether the end-of-backward callback must still reduce this unit: it was used since its last
@@ -201,7 +205,6 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool is_root_ = false;
   std::optional<bool> reshard_after_forward_override_;
   bool requires_gradient_sync_ = true;
-  std::weak_ptr<RootState> root_state_;
   std::optional<std::string> module_path_;
 
   bool iteration_active_ = false;

@@ -20,6 +20,9 @@ struct Registry {
   std::unordered_map<const torch::nn::Module*, RegistryEntry> by_module;
   std::vector<std::weak_ptr<ParamGroup>> creation_order;
   std::vector<std::shared_ptr<RootState>> root_states;
+  /// Which tree each unit belongs to, so that a unit itself holds no pointer to its root state.
+  /// The weak unit pointer guards against a dead unit's address being reused.
+  std::unordered_map<const ParamGroup*, std::pair<std::weak_ptr<ParamGroup>, std::weak_ptr<RootState>>> tree_of;
 
   // Called with the mutex held. Dropping the entries releases the shards of destroyed models.
   void drop_dead_entries() {
@@ -57,12 +60,10 @@ void register_param_group(const std::shared_ptr<ParamGroup>& group) {
                 " is in progress (after a forward, before its backward). Shard every module before training");
   }
   for (const auto& root_state : state.root_states) {
-    for (const auto& member : root_state->groups()) {
-      member->set_root(false);
-      member->set_root_state(nullptr);
-    }
+    for (const auto& member : root_state->groups()) member->set_root(false);
   }
   state.root_states.clear();
+  state.tree_of.clear();
   for (const auto& weak_module : group->modules()) {
     auto module = weak_module.lock();
     state.by_module[module.get()] = RegistryEntry{module, group};
@@ -103,6 +104,15 @@ void register_root_state(const std::shared_ptr<RootState>& root_state) {
   auto& state = registry();
   std::lock_guard<std::mutex> lock(state.mutex);
   state.root_states.push_back(root_state);
+  for (const auto& member : root_state->groups()) state.tree_of[member.get()] = {member, root_state};
+}
+
+std::shared_ptr<RootState> root_state_of(const ParamGroup& group) {
+  auto& state = registry();
+  std::lock_guard<std::mutex> lock(state.mutex);
+  auto it = state.tree_of.find(&group);
+  if (it == state.tree_of.end() || it->second.first.lock().get() != &group) return nullptr;
+  return it->second.second.lock();
 }
 
 }  // namespace fsdp::detail

@@ -23,7 +23,11 @@ std::shared_ptr<ParamGroup> find_param_group(const torch::nn::Module* module);
 std::vector<std::shared_ptr<ParamGroup>> all_param_groups();
 /// The parameters existing units manage (tied weights are managed once, by the first unit).
 std::unordered_set<const c10::TensorImpl*> managed_parameters();
-/// Keeps a tree's state alive while its root module lives.
+/// Keeps a tree's state alive while its root module lives, and records it as the tree of each of
+/// its units.
 void register_root_state(const std::shared_ptr<RootState>& root_state);
+/// The state of the tree `group` belongs to; null until the root is decided (again, after a new
+/// unit was created).
+std::shared_ptr<RootState> root_state_of(const ParamGroup& group);
 
 }  // namespace fsdp::detail

@@ -39,6 +39,11 @@ PUBLIC_HEADERS = {
 # state) are reached from outside only through include/fsdp/fully_shard.h.
 PRIVATE_AREAS = {"engine"}
 
+# Inside the engine the root state calls the unit, never the reverse (FSDP2's FSDPState and
+# FSDPParamGroup): the unit's files include neither the root state nor the registry of trees.
+UNIT_FILES = {"src/engine/param_group.h", "src/engine/param_group.cpp"}
+ABOVE_THE_UNIT = {"engine/module_state.h", "engine/registry.h"}
+
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
 
@@ -81,6 +86,8 @@ def main(root):
                 problems.append(f"{path.relative_to(root)}: includes <{target}>, which no layer holds")
             elif LAYERS.index(layer) > LAYERS.index(own):
                 problems.append(f"{path.relative_to(root)} ({own}) includes {target} ({layer}), a layer above it")
+            elif str(path.relative_to(root)) in UNIT_FILES and target in ABOVE_THE_UNIT:
+                problems.append(f"{path.relative_to(root)} includes {target}: the unit must not call its root state")
             elif quote == '"' and target.split("/")[0] in PRIVATE_AREAS and path.parent.name != target.split("/")[0]:
                 problems.append(f"{path.relative_to(root)} includes {target}, a private header of src/"
                                 f"{target.split('/')[0]}; use the area's public header instead")
