@@ -41,6 +41,16 @@ struct ShardLayout {
 /// ceil(rows / world_size); 0 rows gives 0.
 int64_t rows_per_shard(int64_t rows, int64_t world_size);
 
+/// The rows of dim 0 that one rank owns: [first, first + count).
+struct OwnedRows {
+  int64_t first = 0;
+  int64_t count = 0;
+};
+/// The rows `rank` owns of `rows` when every rank holds `rows_per_shard` (torch.chunk semantics:
+/// the last owning rank may own fewer, later ranks none). ShardLayout's row_offset and owned_rows
+/// are this for its own rank; code that needs every rank's piece (a reduce-scatter's input) asks here.
+OwnedRows owned_rows(int64_t rows, int64_t rows_per_shard, int64_t rank);
+
 /// The piece of a tensor of shape `sizes` that `rank` of `world_size` holds.
 ShardLayout shard_layout(const std::vector<int64_t>& sizes, int64_t world_size, int64_t rank);
 

@@ -13,6 +13,7 @@
 
 #include "checkpoint/agreement.h"
 #include "checkpoint/optimizer_state.h"
+#include "memory/buffer_pool.h"
 
 namespace fsdp {
 namespace {
@@ -604,11 +605,7 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
 }
 
 void release_parameter_storage(torch::nn::Module& model) {
-  for (auto& parameter : model.parameters()) {
-    auto* storage = parameter.storage().unsafeGetStorageImpl();
-    storage->set_data_ptr_noswap(at::DataPtr(nullptr, parameter.device()));
-    storage->set_nbytes(0);
-  }
+  for (auto& parameter : model.parameters()) detail::take_storage_memory(parameter);  // dropped: freed
 }
 
 }  // namespace fsdp

@@ -24,13 +24,7 @@ int64_t align_up(int64_t bytes) { return (bytes + kAlignmentBytes - 1) / kAlignm
 int64_t element_size(c10::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
 // The unsharded buffer's memory goes back to, and comes from, the pool of unit-sized blocks.
-void free_storage(const at::Tensor& tensor) {
-  auto* storage = tensor.storage().unsafeGetStorageImpl();
-  const auto nbytes = static_cast<int64_t>(storage->nbytes());
-  auto block = storage->set_data_ptr(at::DataPtr(nullptr, tensor.device()));
-  storage->set_nbytes(0);
-  return_pooled_block(std::move(block), nbytes);
-}
+void free_storage(const at::Tensor& tensor) { return_pooled_bytes(tensor); }
 
 void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
@@ -393,12 +387,12 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
     auto flat = unsharded_gradients[index].reshape({-1});
     const auto& layout = parameter.layout;
     for (int64_t rank = 0; rank < shard_size; ++rank) {
-      const int64_t row_offset = std::min(layout.rows, rank * layout.rows_per_shard);
-      const int64_t owned_numel = std::min(layout.rows_per_shard, layout.rows - row_offset) * layout.row_numel;
+      const auto owned = owned_rows(layout.rows, layout.rows_per_shard, rank);
+      const int64_t owned_numel = owned.count * layout.row_numel;
       if (owned_numel == 0) continue;
       reduce_scatter_input.select(0, rank)
           .narrow(0, parameter.reduce_offset, owned_numel)
-          .copy_(flat.narrow(0, row_offset * layout.row_numel, owned_numel));
+          .copy_(flat.narrow(0, owned.first * layout.row_numel, owned_numel));
     }
   }
   if (pre_divide != 1.0) reduce_scatter_input.div_(pre_divide);

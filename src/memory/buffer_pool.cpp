@@ -54,12 +54,18 @@ at::Tensor pooled_bytes(int64_t nbytes) {
   return at::empty({0}, at::TensorOptions().dtype(at::kByte)).set_(storage, 0, {nbytes}, {1});
 }
 
+at::DataPtr take_storage_memory(const at::Tensor& tensor, int64_t* nbytes) {
+  auto* storage = tensor.storage().unsafeGetStorageImpl();
+  if (nbytes) *nbytes = static_cast<int64_t>(storage->nbytes());
+  auto memory = storage->set_data_ptr(at::DataPtr(nullptr, tensor.device()));
+  storage->set_nbytes(0);
+  return memory;
+}
+
 void return_pooled_bytes(const at::Tensor& tensor) {
   if (!tensor.defined()) return;
-  auto* storage = tensor.storage().unsafeGetStorageImpl();
-  const auto nbytes = static_cast<int64_t>(storage->nbytes());
-  auto block = storage->set_data_ptr(at::DataPtr(nullptr, tensor.device()));
-  storage->set_nbytes(0);
+  int64_t nbytes = 0;
+  auto block = take_storage_memory(tensor, &nbytes);
   return_pooled_block(std::move(block), nbytes);
 }
 

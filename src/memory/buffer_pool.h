@@ -21,6 +21,11 @@ at::DataPtr take_pooled_block(int64_t nbytes);
 /// Gives a block obtained from take_pooled_block back for reuse.
 void return_pooled_block(at::DataPtr block, int64_t nbytes);
 
+/// Takes the memory out of `tensor`'s storage and returns it (and its size in `nbytes`): every view
+/// of the storage keeps its shape and is left with zero bytes. The one place that empties a storage
+/// in place; dropping the result frees the memory.
+at::DataPtr take_storage_memory(const at::Tensor& tensor, int64_t* nbytes = nullptr);
+
 /// A 1-D uint8 tensor of `nbytes` bytes whose memory comes from the pool.
 at::Tensor pooled_bytes(int64_t nbytes);
 /// Returns the memory of a tensor made by pooled_bytes (or a view of one) to the pool. Every view of

@@ -2,12 +2,21 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+
 namespace fsdp {
 
 int64_t rows_per_shard(int64_t rows, int64_t world_size) {
   TORCH_CHECK(world_size >= 1, "rows_per_shard: world_size must be at least 1, got ", world_size);
   TORCH_CHECK(rows >= 0, "rows_per_shard: rows must be non-negative, got ", rows);
   return (rows + world_size - 1) / world_size;
+}
+
+OwnedRows owned_rows(int64_t rows, int64_t rows_per_shard, int64_t rank) {
+  OwnedRows owned;
+  owned.first = std::min(rows, rank * rows_per_shard);
+  owned.count = std::min(rows_per_shard, rows - owned.first);
+  return owned;
 }
 
 ShardLayout shard_layout(const std::vector<int64_t>& sizes, int64_t world_size, int64_t rank) {
@@ -21,8 +30,9 @@ ShardLayout shard_layout(const std::vector<int64_t>& sizes, int64_t world_size, 
     layout.row_numel *= sizes[dim];
   }
   layout.rows_per_shard = rows_per_shard(layout.rows, world_size);
-  layout.row_offset = std::min(layout.rows, rank * layout.rows_per_shard);
-  layout.owned_rows = std::min(layout.rows_per_shard, layout.rows - layout.row_offset);
+  const auto owned = owned_rows(layout.rows, layout.rows_per_shard, rank);
+  layout.row_offset = owned.first;
+  layout.owned_rows = owned.count;
   layout.numel_padded_shard = layout.rows_per_shard * layout.row_numel;
   layout.numel_owned = layout.owned_rows * layout.row_numel;
   if (sizes.empty()) {

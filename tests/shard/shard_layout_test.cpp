@@ -74,5 +74,19 @@ TEST(ShardLayout, RejectsBadArguments) {
   EXPECT_NE(message.find("world_size must be at least 1"), std::string::npos) << message;
 }
 
+// Every rank's rows, as a reduce-scatter's input needs them: torch.chunk of 5 rows over 4 ranks
+// gives 2, 2, 1 and none; each agrees with that rank's own ShardLayout.
+TEST(ShardLayout, OwnedRowsOfEveryRankFollowTorchChunk) {
+  const std::vector<std::pair<int64_t, int64_t>> expected = {{0, 2}, {2, 2}, {4, 1}, {5, 0}};
+  for (int64_t rank = 0; rank < 4; ++rank) {
+    const auto owned = fsdp::owned_rows(5, rows_per_shard(5, 4), rank);
+    EXPECT_EQ(owned.first, expected[rank].first) << rank;
+    EXPECT_EQ(owned.count, expected[rank].second) << rank;
+    const auto layout = shard_layout({5, 3}, 4, rank);
+    EXPECT_EQ(layout.row_offset, owned.first);
+    EXPECT_EQ(layout.owned_rows, owned.count);
+  }
+}
+
 }  // namespace
 }  // namespace fsdp
