@@ -26,6 +26,18 @@ std::vector<std::string> all_gather_strings(const ProcessGroup& group, const std
   return result;
 }
 
+std::string broadcast_string(const ProcessGroup& group, const std::string& text, int64_t root) {
+  const bool is_root = group.rank() == root;
+  auto length = at::full({1}, is_root ? static_cast<int64_t>(text.size()) : int64_t{0}, at::kLong);
+  broadcast(group, length, root);
+  const int64_t size = length.item<int64_t>();
+  if (size == 0) return {};
+  auto bytes = at::empty({size}, at::kByte);
+  if (is_root) std::memcpy(bytes.data_ptr(), text.data(), text.size());
+  broadcast(group, bytes, root);
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(size));
+}
+
 void agree_on_operation(const DistributedContext& context, const std::string& operation) {
   std::vector<std::string> operations;
   try {

@@ -13,6 +13,10 @@ namespace fsdp::detail {
 /// Every rank's string, in rank order (lengths, then padded bytes, over two all-gathers).
 std::vector<std::string> all_gather_strings(const ProcessGroup& group, const std::string& text);
 
+/// `root`'s string on every rank (its length, then its bytes when there are any: one broadcast for
+/// an empty string). `text` matters on `root` only. Collective.
+std::string broadcast_string(const ProcessGroup& group, const std::string& text, int64_t root = 0);
+
 /// Every rank states the operation it is entering; a rank that entered another one is named, and a
 /// rank that never arrives makes the others fail after FSDP_COLLECTIVE_TIMEOUT with a message that
 /// says every rank must call `operation` (calling it on rank 0 only is the classic mistake).

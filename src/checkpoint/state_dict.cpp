@@ -275,21 +275,13 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
       problem = detail::message_of(error);
     }
   }
-  auto length = at::full({1}, static_cast<int64_t>(problem.size()), at::kLong);
-  broadcast(context.world(), length, 0);
-  if (length.item<int64_t>() > 0) {
-    auto bytes = at::empty({length.item<int64_t>()}, at::kByte);
-    if (is_source) std::memcpy(bytes.data_ptr(), problem.data(), problem.size());
-    broadcast(context.world(), bytes, 0);
-    std::string message(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(bytes.numel()));
-    TORCH_CHECK(false, is_source ? message : "rank 0 could not load the state dict: " + message);
-  }
+  const auto message = detail::broadcast_string(context.world(), problem, 0);
+  TORCH_CHECK(message.empty(), is_source ? message : "rank 0 could not load the state dict: " + message);
   int64_t peak_bytes = 0;
   for (const auto& entry : tensors) {
     const auto shape = global_shape(entry);
     at::Tensor full;
     // Rank 0 says whether it could read the tensor before the others wait for it.
-    auto status = at::zeros({1}, at::kLong);
     std::string read_error;
     if (is_source) {
       try {
@@ -297,11 +289,11 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
         full = source->rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).to(entry.tensor.scalar_type()).contiguous();
       } catch (const c10::Error& error) {
         read_error = error.what_without_backtrace();
-        status.fill_(1);
+        if (read_error.empty()) read_error = "reading '" + entry.name + "' failed";
       }
     }
-    broadcast(context.world(), status, 0);
-    TORCH_CHECK(status.item<int64_t>() == 0, is_source ? read_error : "rank 0 could not read '" + entry.name + "'");
+    read_error = detail::broadcast_string(context.world(), read_error, 0);
+    TORCH_CHECK(read_error.empty(), is_source ? read_error : "rank 0 could not read '" + entry.name + "': " + read_error);
     if (!is_source) full = at::empty(shape, entry.tensor.options().requires_grad(false));
     peak_bytes = std::max<int64_t>(peak_bytes, full.numel() * full.element_size());
     broadcast(context.world(), full, 0);
