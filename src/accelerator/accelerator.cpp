@@ -18,6 +18,7 @@
 #include <fsdp/torch_file.h>
 
 #include "checkpoint/agreement.h"
+#include "checkpoint/hf_shards.h"
 #include "config/text.h"
 #include "io/atomic_file.h"
 
@@ -211,28 +212,20 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
       } else if (max_shard_size <= 0 || total <= max_shard_size) {
         write_safetensors((fs::path(directory) / "model.safetensors").string(), state);
       } else {
-        std::vector<TensorList> shards(1);
-        int64_t shard_bytes = 0;
-        for (const auto& item : state) {
-          const int64_t bytes = item.second.numel() * item.second.element_size();
-          if (shard_bytes > 0 && shard_bytes + bytes > max_shard_size) {
-            shards.emplace_back();
-            shard_bytes = 0;
-          }
-          shards.back().push_back(item);
-          shard_bytes += bytes;
+        std::vector<std::pair<std::string, int64_t>> sizes;
+        std::map<std::string, at::Tensor> by_name;
+        for (const auto& [name, tensor] : state) {
+          sizes.emplace_back(name, tensor.numel() * tensor.element_size());
+          by_name.emplace(name, tensor);
         }
-        // The same index layout merge_fsdp_weights writes, names escaped by the JSON library.
-        nlohmann::json index;
-        index["metadata"] = {{"total_size", total}};
-        index["weight_map"] = nlohmann::json::object();
-        for (size_t position = 0; position < shards.size(); ++position) {
-          char name[64];
-          std::snprintf(name, sizeof(name), "model-%05zu-of-%05zu.safetensors", position + 1, shards.size());
-          write_safetensors((fs::path(directory) / name).string(), shards[position]);
-          for (const auto& item : shards[position]) index["weight_map"][item.first] = name;
+        const auto files = detail::plan_shard_files(sizes, max_shard_size, "model");
+        for (const auto& file : files) {
+          TensorList shard;
+          for (const auto& name : file.tensors) shard.emplace_back(name, by_name.at(name));
+          write_safetensors((fs::path(directory) / file.name).string(), shard);
         }
-        detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(), index.dump(2));
+        detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
+                                      detail::shard_index_json(files, total));
       }
     }
   });

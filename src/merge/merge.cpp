@@ -12,6 +12,7 @@
 #include <fsdp/state_dict.h>
 #include <fsdp/torch_file.h>
 
+#include "checkpoint/hf_shards.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -58,17 +59,7 @@ void check_input(const std::string& checkpoint_dir) {
   }
 }
 
-struct Output {
-  std::string name;
-  std::vector<std::string> tensors;
-  int64_t bytes = 0;
-};
-
-std::string shard_name(size_t index, size_t count, const std::string& prefix, const std::string& suffix) {
-  char name[128];
-  std::snprintf(name, sizeof(name), "%s-%05zu-of-%05zu%s", prefix.c_str(), index + 1, count, suffix.c_str());
-  return name;
-}
+using Output = detail::ShardFile;
 
 /// Writes the rows of `name` into `writer`, at most kReadBufferBytes at a time.
 void stream_tensor(const ShardedDirectoryReader& reader, const std::string& name, const ByteWriter& writer,
@@ -161,16 +152,9 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
   } else if (options.max_shard_size == 0) {
     outputs.push_back({stem + ".safetensors", reader.names(), total});
   } else {
-    for (const auto& name : reader.names()) {
-      if (outputs.empty() || (outputs.back().bytes > 0 && outputs.back().bytes + sizes[name] > options.max_shard_size)) {
-        outputs.push_back({});
-      }
-      outputs.back().tensors.push_back(name);
-      outputs.back().bytes += sizes[name];
-    }
-    for (size_t index = 0; index < outputs.size(); ++index) {
-      outputs[index].name = shard_name(index, outputs.size(), stem, ".safetensors");
-    }
+    std::vector<std::pair<std::string, int64_t>> tensors;
+    for (const auto& name : reader.names()) tensors.emplace_back(name, sizes[name]);
+    outputs = detail::plan_shard_files(tensors, options.max_shard_size, stem);
   }
   std::vector<std::string> names;
   for (const auto& output : outputs) names.push_back(output.name);
@@ -266,15 +250,7 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
       }
       result.tensors += static_cast<int64_t>(output.tensors.size());
     }
-    if (indexed) {
-      nlohmann::json index;
-      index["metadata"] = {{"total_size", total}};
-      index["weight_map"] = nlohmann::json::object();
-      for (const auto& output : outputs) {
-        for (const auto& name : output.tensors) index["weight_map"][name] = output.name;
-      }
-      detail::write_file_atomically((staging / index_name).string(), index.dump(2));
-    }
+    if (indexed) detail::write_file_atomically((staging / index_name).string(), detail::shard_index_json(outputs, total));
     // Every file is complete and fsynced: drop the previous layout's files, then move ours into place.
     for (const auto& name : stale) {
       if (std::find(names.begin(), names.end(), name) == names.end()) fs::remove(fs::path(output_path) / name);
