@@ -21,15 +21,18 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> gradients;
   // Sharded contributions are reduced over the shard group; others (ignored parameters, modules
-  // outside every unit) hold the full gradient on every rank and count once.
-  double sharded_total = 0.0;
-  double local_total = 0.0;
-  auto accumulate = [&](const at::Tensor& gradient, double& total) {
+  // outside every unit) hold the full gradient on every rank and count once. The totals stay tensors
+  // until the end: one host read per call, not one per gradient (on a GPU each would be a sync).
+  const auto scalar_options = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor sharded_total = at::zeros({1}, scalar_options);
+  at::Tensor local_total = at::zeros({1}, scalar_options);
+  auto accumulate = [&](const at::Tensor& gradient, at::Tensor& total) {
+    if (gradient.numel() == 0) return;
     auto as_double = gradient.to(at::kDouble);
     if (infinity_norm) {
-      if (gradient.numel() > 0) total = std::max(total, as_double.abs().max().item<double>());
+      total = at::maximum(total, as_double.abs().max().reshape({1}));
     } else {
-      total += as_double.abs().pow(norm_type).sum().item<double>();
+      total += as_double.abs().pow(norm_type).sum();
     }
   };
   std::optional<ProcessGroup> shard_group;
@@ -56,13 +59,10 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
     accumulate(parameter.grad(), local_total);
     gradients.push_back(parameter.grad());
   }
-  if (shard_group) {
-    auto buffer = at::full({1}, sharded_total, at::TensorOptions().dtype(at::kDouble));
-    all_reduce(*shard_group, buffer, infinity_norm ? ReduceOp::kMax : ReduceOp::kSum);
-    sharded_total = buffer.item<double>();
-  }
-  const double total_norm = infinity_norm ? std::max(sharded_total, local_total)
-                                          : std::pow(sharded_total + local_total, 1.0 / norm_type);
+  if (shard_group) all_reduce(*shard_group, sharded_total, infinity_norm ? ReduceOp::kMax : ReduceOp::kSum);
+  const auto total = infinity_norm ? at::maximum(sharded_total, local_total)
+                                   : (sharded_total + local_total).pow(1.0 / norm_type);
+  const double total_norm = total.item<double>();
   // torch's rule, epsilon included, so clipped values match single-process training.
   const double clip_coefficient = max_norm / (total_norm + 1e-6);
   if (clip_coefficient < 1.0) {
