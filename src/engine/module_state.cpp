@@ -53,13 +53,12 @@ RootState::RootState(std::shared_ptr<ParamGroup> root, std::vector<std::shared_p
     : root_(std::move(root)), groups_(std::move(groups)) {}
 
 void RootState::begin_iteration() {
-  if (iteration_active_ && !backward_started_) return;  // another forward of the same iteration
-  if (iteration_active_) end_iteration(/*check=*/false);  // its backward threw: abandon it
+  if (state_ == State::kForward) return;  // another forward of the same iteration
+  if (state_ == State::kBackward) end_iteration(/*check=*/false);  // its backward threw: abandon it
   for (const auto& group : groups_) group->begin_iteration();
   post_forward_order_.clear();
-  backward_started_ = false;
   final_callback_queued_ = false;
-  iteration_active_ = true;
+  state_ = State::kForward;
 }
 
 void RootState::record_post_forward(ParamGroup* group) {
@@ -107,8 +106,8 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(Pa
 }
 
 void RootState::on_backward_hook() {
-  if (!iteration_active_) begin_iteration();
-  backward_started_ = true;
+  if (state_ == State::kIdle) begin_iteration();
+  state_ = State::kBackward;
   if (final_callback_queued_) return;
   final_callback_queued_ = true;
   auto self = shared_from_this();
@@ -158,12 +157,11 @@ void RootState::finish_reductions(size_t keep_in_flight) {
 }
 
 void RootState::end_iteration(bool check) {
-  if (!iteration_active_) {
+  if (state_ == State::kIdle) {
     for (const auto& group : groups_) group->reshard();
     return;
   }
-  iteration_active_ = false;
-  backward_started_ = false;
+  state_ = State::kIdle;
   post_forward_order_.clear();
   // Every unit is restored before any error is raised, so a failed check leaves no unit behind.
   std::exception_ptr first_error;

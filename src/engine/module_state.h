@@ -39,7 +39,7 @@ class RootState : public std::enable_shared_from_this<RootState> {
   const std::shared_ptr<ParamGroup>& root() const { return root_; }
   /// Every unit of the tree, in creation order (children before parents).
   const std::vector<std::shared_ptr<ParamGroup>>& groups() const { return groups_; }
-  bool iteration_active() const { return iteration_active_; }
+  bool iteration_active() const { return state_ != State::kIdle; }
 
   /// Starts an iteration unless one is running. An iteration whose backward started but never
   /// finished (it threw) is abandoned first, so one failed step cannot break the next.
@@ -74,8 +74,10 @@ class RootState : public std::enable_shared_from_this<RootState> {
  private:
   std::shared_ptr<ParamGroup> root_;
   std::vector<std::shared_ptr<ParamGroup>> groups_;
-  bool iteration_active_ = false;
-  bool backward_started_ = false;
+  /// kIdle: no iteration; kForward: an iteration whose backward has not started (more forwards of
+  /// it may follow); kBackward: its backward started (a new forward abandons it).
+  enum class State { kIdle, kForward, kBackward };
+  State state_ = State::kIdle;
   bool final_callback_queued_ = false;
   std::vector<ParamGroup*> post_forward_order_;
   /// Pre-forward order of the forward in progress and of the one before it (see forward_prefetch_targets).

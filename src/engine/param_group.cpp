@@ -57,6 +57,20 @@ std::string ParamGroup::description() const {
   return "FSDP unit " + (module_path_->empty() ? std::string("<root>") : *module_path_) + " (" + classes.str() + ")";
 }
 
+const char* to_string(TrainingState state) {
+  switch (state) {
+    case TrainingState::kIdle:
+      return "IDLE";
+    case TrainingState::kForward:
+      return "FORWARD";
+    case TrainingState::kPreBackward:
+      return "PRE_BACKWARD";
+    case TrainingState::kPostBackward:
+      return "POST_BACKWARD";
+  }
+  return "?";
+}
+
 std::string ParamGroup::on_rank() const { return "[rank " + std::to_string(context_.rank()) + "] "; }
 
 bool ParamGroup::reshard_after_forward() const {
@@ -256,7 +270,11 @@ void ParamGroup::pre_forward(bool grad_enabled, const std::vector<std::shared_pt
   unshard(/*async_op=*/true);
   for (const auto& target : prefetch_targets) target->unshard(/*async_op=*/true);
   wait_for_unshard();
-  if (grad_enabled) used_since_reduce_ = true;
+  if (grad_enabled) {
+    TORCH_INTERNAL_ASSERT(training_state_ != TrainingState::kIdle, description(),
+                          ": a forward with grad ran outside a training iteration");
+    if (training_state_ == TrainingState::kPostBackward) training_state_ = TrainingState::kForward;
+  }
 }
 
 void ParamGroup::post_forward(bool grad_enabled) {
@@ -266,13 +284,15 @@ void ParamGroup::post_forward(bool grad_enabled) {
 }
 
 void ParamGroup::pre_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets) {
+  TORCH_INTERNAL_ASSERT(training_state_ != TrainingState::kIdle, description(),
+                        ": its backward started outside a training iteration");
   unshard(/*async_op=*/true);
-  if (!backward_prefetch_done_) {
-    backward_prefetch_done_ = true;
+  // Outputs each carry a hook; only the first of them since the last reduction prefetches.
+  if (training_state_ != TrainingState::kPreBackward) {
     for (const auto& target : prefetch_targets) target->unshard(/*async_op=*/true);
   }
+  training_state_ = TrainingState::kPreBackward;
   wait_for_unshard();
-  used_since_reduce_ = true;
 }
 
 bool ParamGroup::on_input_gradient() {
@@ -280,24 +300,21 @@ bool ParamGroup::on_input_gradient() {
 }
 
 void ParamGroup::begin_iteration() {
-  if (iteration_active_) return;
+  if (training_state_ != TrainingState::kIdle) return;
   refresh_trainable_parameters();
   for (auto& parameter : parameters_) {
     parameter.stashed_sharded_gradient = parameter.parameter.grad();
     parameter.gradient_stashed = true;
     if (parameter.stashed_sharded_gradient.defined()) parameter.parameter.mutable_grad() = at::Tensor();
   }
-  used_since_reduce_ = false;
-  reduced_this_iteration_ = false;
   pending_input_gradients_ = 0;
   post_forward_indices_.clear();
-  backward_prefetch_done_ = false;
-  iteration_active_ = true;
+  training_state_ = TrainingState::kForward;
 }
 
 void ParamGroup::end_iteration(bool check) {
-  if (!iteration_active_) return;
-  iteration_active_ = false;
+  if (training_state_ == TrainingState::kIdle) return;
+  training_state_ = TrainingState::kIdle;
   pending_input_gradients_ = 0;
   reshard();
   std::string stray_gradient;
@@ -315,9 +332,9 @@ void ParamGroup::end_iteration(bool check) {
 }
 
 void ParamGroup::post_backward() {
-  used_since_reduce_ = false;
-  backward_prefetch_done_ = false;
-  reduced_this_iteration_ = true;
+  TORCH_INTERNAL_ASSERT(training_state_ != TrainingState::kIdle, description(),
+                        ": its gradients were reduced outside a training iteration");
+  training_state_ = TrainingState::kPostBackward;
   pending_input_gradients_ = 0;
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> gradients(parameters_.size());

@@ -75,6 +75,19 @@ struct ShardedParameter {
 /// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
 /// most two reductions in flight (their buffers are the extra memory) and finishes them in issue
 /// order; the end of backward finishes the rest before the sharded gradients are put back.
+/// Where a unit is in the training iteration (FSDP2's TrainingState). Transitions, each checked:
+///   kIdle -> kForward            begin_iteration (the root's first forward with grad, or a backward
+///                                through a graph whose iteration ended)
+///   kForward -> kPreBackward     the first hook on the unit's outputs in backward (prefetch here)
+///   kPreBackward -> kPostBackward the gradients are reduced (or accumulated while sync is off)
+///   kPostBackward -> kForward    the unit runs forward again in the same iteration
+///   kPostBackward -> kPreBackward its outputs are backpropagated again (a unit used twice)
+///   any -> kIdle                 end_iteration
+/// Unlike FSDP2's FORWARD, kForward lasts from the unit's forward until backward reaches it: what
+/// matters here is that its gradients are still to be reduced.
+enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
+const char* to_string(TrainingState state);
+
 struct PendingReduction {
   std::optional<CollectiveWork> work;
   /// The collective's input, alive until it completes.
@@ -157,7 +170,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void post_forward(bool grad_enabled);
   /// Whether this backward has not prefetched yet: the unit's outputs each carry a hook, and only
   /// the first of them prefetches.
-  bool backward_prefetch_pending() const { return !backward_prefetch_done_; }
+  bool backward_prefetch_pending() const { return training_state_ != TrainingState::kPreBackward; }
   /// Issues this unit's all-gather, then (the first time in this backward) the prefetches
   /// `targets`, then waits for its own.
   void pre_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets);
@@ -175,7 +188,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   void finish_reduction();
   /// Whether the end-of-backward callback must still reduce this unit: it was used since its last
   /// reduction, or it was not reduced at all this iteration (every rank reduces every unit).
-  bool needs_post_backward() const { return used_since_reduce_ || !reduced_this_iteration_; }
+  bool needs_post_backward() const {
+    return training_state_ != TrainingState::kIdle && training_state_ != TrainingState::kPostBackward;
+  }
+  TrainingState training_state() const { return training_state_; }
   void begin_iteration();
   /// Reshards and puts the sharded gradients back. With `check`, a gradient written on a sharded
   /// parameter (a unit called without fsdp::forward) is reported after the state is restored.
@@ -207,18 +223,13 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool requires_gradient_sync_ = true;
   std::optional<std::string> module_path_;
 
-  bool iteration_active_ = false;
-  bool used_since_reduce_ = false;
-  bool reduced_this_iteration_ = false;
+  TrainingState training_state_ = TrainingState::kIdle;
   int64_t pending_input_gradients_ = 0;
   std::optional<PendingReduction> reduction_in_flight_;
   std::optional<PendingUnshard> unshard_in_flight_;
   std::optional<PrefetchList> forward_prefetch_;
   std::optional<PrefetchList> backward_prefetch_;
   std::vector<size_t> post_forward_indices_;
-  /// Set by the first pre-backward hook since the last reduction: outputs each carry a hook, and
-  /// only the first of them prefetches.
-  bool backward_prefetch_done_ = false;
 };
 
 }  // namespace fsdp::detail

@@ -5,6 +5,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "engine/param_group.h"
 #include "engine/parity.h"
 #include "engine/test_models.h"
 #include "harness/error_message.h"
@@ -549,6 +550,40 @@ TEST(FullyShard, ErrorsNameTheRankAndUnitsByModulePath) {
     EXPECT_EQ(message.rfind(prefix, 0), 0u) << message;
     loss.backward();
   });
+}
+
+// One iteration as each unit sees it (FSDP2's TrainingState): FORWARD from the root's first forward
+// with grad until backward reaches the unit, PRE_BACKWARD while its backward runs, POST_BACKWARD
+// once reduced, IDLE after the iteration; a forward without grad starts no iteration.
+TEST(FullyShard, EachUnitWalksTheTrainingStatesOfAnIteration) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  torch::manual_seed(0);
+  testing::TinyTransformer model;
+  for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
+  fully_shard(model.ptr(), context);
+  auto state_of = [](const torch::nn::Module& module) {
+    return std::string(detail::to_string(detail::group_of(*fsdp_module_of(module)).training_state()));
+  };
+  const auto tokens = torch::randint(0, 11, {2, 5});
+  {
+    torch::NoGradGuard no_grad;
+    fsdp::forward(model, tokens);
+  }
+  EXPECT_EQ(state_of(*model->layers[0]), "IDLE");
+  auto loss = fsdp::forward(model, tokens).sum();
+  EXPECT_EQ(state_of(*model->layers[0]), "FORWARD");
+  EXPECT_EQ(state_of(*model), "FORWARD");
+  // A hook on a weight of layer 0 runs inside layer 0's backward, after layer 1 was reduced.
+  std::vector<std::string> seen_in_backward;
+  auto hook = model->layers[0]->parameters()[0].register_hook([&](const torch::Tensor&) {
+    seen_in_backward = {state_of(*model->layers[0]), state_of(*model->layers[1])};
+  });
+  loss.backward();
+  model->layers[0]->parameters()[0].remove_hook(hook);
+  EXPECT_EQ(seen_in_backward, (std::vector<std::string>{"PRE_BACKWARD", "POST_BACKWARD"}));
+  EXPECT_EQ(state_of(*model->layers[0]), "IDLE");
+  EXPECT_EQ(state_of(*model->layers[1]), "IDLE");
+  EXPECT_EQ(state_of(*model), "IDLE");
 }
 
 }  // namespace
