@@ -208,12 +208,13 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
     for (const auto& item : root_module->named_modules()) paths.emplace(item.value().get(), item.key());
     for (const auto& member : tree) {
       std::string path;
-      for (const auto& module : member->modules()) {
-        auto live = module.lock();
+      for (size_t index = 0; index < member->modules().size(); ++index) {
+        auto live = member->modules()[index].lock();
         auto found = live ? paths.find(live.get()) : paths.end();
-        path += (path.empty() ? "" : " + ") + (found != paths.end() ? found->second : std::string("?"));
+        const std::string name = found == paths.end() ? "?" : found->second.empty() ? "<root>" : found->second;
+        path += (index ? " + " : "") + name;
       }
-      member->set_module_path(path);
+      member->set_module_path(path == "<root>" ? "" : path);
     }
   }
   for (const auto& member : tree) {

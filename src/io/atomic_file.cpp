@@ -17,7 +17,12 @@ void write_file_atomically(const std::string& path, const std::string& contents)
 void write_file_atomically(const std::string& path, const std::function<void(const ByteSink& sink)>& produce) {
   const std::filesystem::path target(path);
   const auto directory = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
-  const std::string temporary = (directory / ("." + target.filename().string() + ".tmp." + std::to_string(::getpid()))).string();
+  // Built by appending: GCC 12 misreads `"." + std::string` as an oversized copy (-Wstringop-overflow).
+  std::string temporary_name = ".";
+  temporary_name += target.filename().string();
+  temporary_name += ".tmp.";
+  temporary_name += std::to_string(::getpid());
+  const std::string temporary = (directory / temporary_name).string();
   int fd = ::open(temporary.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   TORCH_CHECK(fd >= 0, "writing '", path, "': cannot create temporary file '", temporary, "': ", std::strerror(errno));
   auto fail = [&](const char* step) {
