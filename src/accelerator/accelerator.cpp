@@ -213,16 +213,14 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
         write_safetensors((fs::path(directory) / "model.safetensors").string(), state);
       } else {
         std::vector<std::pair<std::string, int64_t>> sizes;
-        std::map<std::string, at::Tensor> by_name;
-        for (const auto& [name, tensor] : state) {
-          sizes.emplace_back(name, tensor.numel() * tensor.element_size());
-          by_name.emplace(name, tensor);
-        }
+        for (const auto& [name, tensor] : state) sizes.emplace_back(name, tensor.numel() * tensor.element_size());
         const auto files = detail::plan_shard_files(sizes, max_shard_size, "model");
+        // The files hold consecutive runs of the state dict, in order.
+        auto next = state.begin();
         for (const auto& file : files) {
-          TensorList shard;
-          for (const auto& name : file.tensors) shard.emplace_back(name, by_name.at(name));
-          write_safetensors((fs::path(directory) / file.name).string(), shard);
+          const auto end = next + static_cast<std::ptrdiff_t>(file.tensors.size());
+          write_safetensors((fs::path(directory) / file.name).string(), TensorList(next, end));
+          next = end;
         }
         detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
                                       detail::shard_index_json(files, total));

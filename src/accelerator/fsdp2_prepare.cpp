@@ -116,7 +116,6 @@ std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullySharde
   TORCH_INTERNAL_ASSERT(false, "unknown auto-wrap kind");
 }
 
-
 FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {
   FullyShardOptions options;
   options.sharding_strategy = plugin.sharding_strategy;

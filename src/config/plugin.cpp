@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <initializer_list>
 #include <regex>
 #include <sstream>
 
@@ -78,16 +79,19 @@ struct EnumNames {
   }
 };
 
+/// The names of `values` as their layer's to_string gives them, in torch's order (a digit string
+/// is the position).
+template <class Enum>
+EnumNames<Enum> named_by_to_string(std::initializer_list<Enum> values) {
+  EnumNames<Enum> names;
+  for (auto value : values) names.names.emplace_back(to_string(value), value);
+  return names;
+}
+
 const EnumNames<ShardingStrategy>& sharding_names() {
-  // In torch's order: a digit string is the position.
-  static const EnumNames<ShardingStrategy> names{[] {
-    std::vector<std::pair<std::string, ShardingStrategy>> list;
-    for (auto strategy : {ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
-                          ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2}) {
-      list.emplace_back(to_string(strategy), strategy);
-    }
-    return list;
-  }()};
+  static const auto names = named_by_to_string({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
+                                                 ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard,
+                                                 ShardingStrategy::kHybridShardZero2});
   return names;
 }
 
@@ -98,13 +102,8 @@ const EnumNames<BackwardPrefetch>& prefetch_names() {
 }
 
 const EnumNames<StateDictType>& state_dict_names() {
-  static const EnumNames<StateDictType> names{[] {
-    std::vector<std::pair<std::string, StateDictType>> list;
-    for (auto type : {StateDictType::kFullStateDict, StateDictType::kLocalStateDict, StateDictType::kShardedStateDict}) {
-      list.emplace_back(to_string(type), type);
-    }
-    return list;
-  }()};
+  static const auto names = named_by_to_string(
+      {StateDictType::kFullStateDict, StateDictType::kLocalStateDict, StateDictType::kShardedStateDict});
   return names;
 }
 

@@ -162,9 +162,9 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       if (!tensor.defined()) continue;
       const auto* impl = tensor.unsafeGetTensorImpl();
       if (ignored.count(impl) || !seen.insert(impl).second || already_managed.count(impl)) continue;
-      TORCH_CHECK(tensor.device().is_cpu(), "[rank ", context.rank(), "] fully_shard: parameter '", prefix + item.key(), "' is on ",
+      TORCH_CHECK(tensor.device().is_cpu(), detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(), "' is on ",
                   tensor.device(), "; this build of fsdp.cpp computes on CPU. Move the model to CPU first");
-      TORCH_CHECK(!tensor.is_meta(), "[rank ", context.rank(), "] fully_shard: parameter '", prefix + item.key(),
+      TORCH_CHECK(!tensor.is_meta(), detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(),
                   "' is on the meta device; materialize it (or load a full state dict) before sharding");
       detail::ShardedParameter parameter;
       parameter.name = prefix + item.key();
@@ -182,7 +182,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
           buffer.set_data(buffer.to(*options.mixed_precision.buffer_dtype));
         }
         if (options.sync_module_states && context.world_size() > 1) {
-          TORCH_CHECK(buffer.is_contiguous(), "[rank ", context.rank(), "] fully_shard(sync_module_states): buffer '", prefix + item.key(),
+          TORCH_CHECK(buffer.is_contiguous(), detail::on_rank(context), "fully_shard(sync_module_states): buffer '", prefix + item.key(),
                       "' is not contiguous; make it contiguous (buffer = buffer.contiguous()) before sharding");
           broadcast(context.world(), buffer, 0);
         }

@@ -23,9 +23,8 @@ int64_t align_up(int64_t bytes) { return (bytes + kAlignmentBytes - 1) / kAlignm
 
 int64_t element_size(c10::ScalarType dtype) { return static_cast<int64_t>(c10::elementSize(dtype)); }
 
-// The unsharded buffer's memory goes back to, and comes from, the pool of unit-sized blocks.
-void free_storage(const at::Tensor& tensor) { return_pooled_bytes(tensor); }
-
+// The unsharded buffer's memory comes from, and goes back to (return_pooled_bytes), the pool of
+// unit-sized blocks.
 void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
   if (static_cast<int64_t>(storage->nbytes()) == nbytes) return;
@@ -71,7 +70,7 @@ const char* to_string(TrainingState state) {
   return "?";
 }
 
-std::string ParamGroup::on_rank() const { return "[rank " + std::to_string(context_.rank()) + "] "; }
+std::string on_rank(const DistributedContext& context) { return "[rank " + std::to_string(context.rank()) + "] "; }
 
 bool ParamGroup::reshard_after_forward() const {
   if (reshard_after_forward_override_) return *reshard_after_forward_override_;
@@ -162,7 +161,7 @@ void ParamGroup::initialize() {
                                      .view(parameter.compute_dtype)
                                      .view(parameter.layout.unsharded_sizes);
     }
-    free_storage(unsharded_buffer_);
+    return_pooled_bytes(unsharded_buffer_);
   }
   refresh_trainable_parameters();
 }
@@ -238,7 +237,7 @@ void ParamGroup::wait_for_unshard() {
   try {
     pending.work.wait();
   } catch (...) {
-    free_storage(unsharded_buffer_);
+    return_pooled_bytes(unsharded_buffer_);
     throw;
   }
   const int64_t shard_size = shard_world_size();
@@ -261,7 +260,7 @@ void ParamGroup::reshard() {
   if (sharded_state_ == ShardedState::kSharded) return;
   if (!unshard_is_identity_) {
     for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.sharded_data);
-    free_storage(unsharded_buffer_);
+    return_pooled_bytes(unsharded_buffer_);
   }
   sharded_state_ = ShardedState::kSharded;
 }

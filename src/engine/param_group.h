@@ -70,11 +70,6 @@ struct ShardedParameter {
   at::Tensor unsharded_accumulated_gradient;
 };
 
-/// [Note: overlapping reductions]
-/// A unit's reduce-scatter (or NO_SHARD all-reduce) is issued asynchronously, so Gloo moves the bytes
-/// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
-/// most two reductions in flight (their buffers are the extra memory) and finishes them in issue
-/// order; the end of backward finishes the rest before the sharded gradients are put back.
 /// Where a unit is in the training iteration (FSDP2's TrainingState). Transitions, each checked:
 ///   kIdle -> kForward            begin_iteration (the root's first forward with grad, or a backward
 ///                                through a graph whose iteration ended)
@@ -88,6 +83,15 @@ struct ShardedParameter {
 enum class TrainingState { kIdle, kForward, kPreBackward, kPostBackward };
 const char* to_string(TrainingState state);
 
+/// "[rank N] ": every engine error raised with a context at hand starts with it, since N ranks log
+/// together.
+std::string on_rank(const DistributedContext& context);
+
+/// [Note: overlapping reductions]
+/// A unit's reduce-scatter (or NO_SHARD all-reduce) is issued asynchronously, so Gloo moves the bytes
+/// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
+/// most two reductions in flight (their buffers are the extra memory) and finishes them in issue
+/// order; the end of backward finishes the rest before the sharded gradients are put back.
 struct PendingReduction {
   std::optional<CollectiveWork> work;
   /// The collective's input, alive until it completes.
@@ -129,8 +133,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::string description() const;
   /// Set by the root state for every unit of its tree; "" is the root module itself.
   void set_module_path(std::string path) { module_path_ = std::move(path); }
-  /// "[rank N] ": every engine error that a unit raises starts with it, since N ranks log together.
-  std::string on_rank() const;
+  /// on_rank(context()): every engine error that a unit raises starts with it.
+  std::string on_rank() const { return detail::on_rank(context_); }
 
   ShardedState sharded_state() const { return sharded_state_; }
   bool is_root() const { return is_root_; }

@@ -236,6 +236,11 @@ Result read_result(const std::string& path) {
   return result;
 }
 
+double relative_difference(const Result& a, const Result& b, const std::string& series, int step) {
+  const double x = a.at(series)[step].item<double>(), y = b.at(series)[step].item<double>();
+  return std::abs(x - y) / std::abs(y);
+}
+
 // How far two runs ended apart: the largest relative difference of the per-step losses and gradient
 // norms, and the largest absolute difference of a final weight.
 struct Differences {
@@ -254,9 +259,8 @@ Differences compare(const Result& ours, const Result& theirs) {
     EXPECT_EQ(our_values.numel(), kSteps) << series;
     EXPECT_EQ(their_values.numel(), kSteps) << series;
     for (int step = 0; step < std::min<int64_t>(kSteps, std::min(our_values.numel(), their_values.numel())); ++step) {
-      const double a = our_values[step].item<double>(), b = their_values[step].item<double>();
       auto& largest = series == "loss" ? worst.loss : worst.norm;
-      largest = std::max(largest, std::abs(a - b) / std::abs(b));
+      largest = std::max(largest, relative_difference(ours, theirs, series, step));
     }
   }
   for (const auto& [name, tensor] : theirs) {
@@ -269,11 +273,6 @@ Differences compare(const Result& ours, const Result& theirs) {
     worst.weight = std::max(worst.weight, (ours.at(name) - tensor).abs().max().item<double>());
   }
   return worst;
-}
-
-double relative_difference(const Result& a, const Result& b, const std::string& series, int step) {
-  const double x = a.at(series)[step].item<double>(), y = b.at(series)[step].item<double>();
-  return std::abs(x - y) / std::abs(y);
 }
 
 testing::PythonResult run_fsdp2(const std::string& directory, int world_size, const std::string& output) {
