@@ -38,8 +38,11 @@ namespace detail {
 struct CollectiveWorkState;
 }
 
-/// A collective in flight. `wait()` blocks until the output is ready and rethrows a failure of the
-/// collective with the group, the rank and the operation in the message. Waiting twice is a no-op.
+/// A collective in flight, used as FSDP2 uses a CUDA event: `wait()` blocks until the output is ready
+/// (the GPU path will make the current stream wait instead) and rethrows a failure of the collective
+/// with the group, the rank and the operation in the message; waiting twice is a no-op. `query()`
+/// asks without blocking whether the transport is done with the buffers, which is what decides when
+/// a buffer may be reused (Note [a block returns after its last use], src/memory/buffer_pool.h).
 class CollectiveWork {
  public:
   CollectiveWork() = default;
@@ -47,6 +50,10 @@ class CollectiveWork {
   void wait();
   /// True once `wait()` has returned (or the collective needed no communication).
   bool completed() const;
+  /// Non-blocking: true once every transfer of the collective has finished (or failed), so that
+  /// nothing reads or writes its buffers any more. The output of a reduction is still only ready
+  /// after `wait()`, which does the local sum.
+  bool query() const;
 
  private:
   std::shared_ptr<detail::CollectiveWorkState> state_;

@@ -84,6 +84,10 @@ class DistributedContext {
   const ProcessGroup& intra_node() const;
   /// The ranks with this rank's local rank, one per machine (HYBRID_SHARD replicates across it).
   const ProcessGroup& cross_node() const;
+  /// Every rank of the job, on a channel of its own for host-side control messages (agreement,
+  /// layout exchange, rank 0's status): Note [the control channel] in src/dist/control_channel.h.
+  /// Always CPU tensors; never used for parameters or gradients.
+  const ProcessGroup& control() const;
 
  private:
   std::shared_ptr<detail::RendezvousState> state_;

@@ -183,7 +183,7 @@ void Accelerator::print(const std::string& line) const {
   if (is_main_process()) std::cout << line << std::endl;
 }
 
-void Accelerator::wait_for_everyone() const { barrier(context_.world()); }
+void Accelerator::wait_for_everyone() const { barrier(context_.control()); }
 
 TensorList Accelerator::get_state_dict() {
   TORCH_CHECK(model_, "Accelerator::get_state_dict: prepare(model, optimizer) first");

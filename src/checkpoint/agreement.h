@@ -1,4 +1,5 @@
-// Private: collectives that keep ranks from waiting on each other forever when they disagree.
+// Private: collectives that keep ranks from waiting on each other forever when they disagree. They
+// run on the control channel (Note [the control channel], src/dist/control_channel.h).
 #pragma once
 
 #include <exception>
@@ -9,13 +10,6 @@
 #include <fsdp/process_group.h>
 
 namespace fsdp::detail {
-
-/// Every rank's string, in rank order (lengths, then padded bytes, over two all-gathers).
-std::vector<std::string> all_gather_strings(const ProcessGroup& group, const std::string& text);
-
-/// `root`'s string on every rank (its length, then its bytes when there are any: one broadcast for
-/// an empty string). `text` matters on `root` only. Collective.
-std::string broadcast_string(const ProcessGroup& group, const std::string& text, int64_t root = 0);
 
 /// Every rank states the operation it is entering; a rank that entered another one is named, and a
 /// rank that never arrives makes the others fail after FSDP_COLLECTIVE_TIMEOUT with a message that

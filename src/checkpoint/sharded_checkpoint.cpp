@@ -12,6 +12,7 @@
 #include <fsdp/collectives.h>
 
 #include "checkpoint/agreement.h"
+#include "dist/control_channel.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -75,7 +76,7 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
   }
   // Rank 0 learns every rank's chunks only after each has written its file, so the metadata never
   // describes a file that does not exist yet.
-  const auto all_chunks = detail::all_gather_strings(context.world(), report);
+  const auto all_chunks = detail::all_gather_strings(context, report);
   for (size_t other = 0; other < all_chunks.size(); ++other) {
     if (all_chunks[other].rfind("ERROR:", 0) == 0) {
       TORCH_CHECK(false, "writing sharded directory '", directory, "': rank ", other, " failed: ", all_chunks[other].substr(6));

@@ -12,6 +12,7 @@
 #include <fsdp/fully_shard.h>
 
 #include "checkpoint/agreement.h"
+#include "dist/control_channel.h"
 #include "checkpoint/optimizer_state.h"
 #include "memory/buffer_pool.h"
 
@@ -25,8 +26,11 @@ struct ModelTensor {
   std::vector<std::string> aliases;
   at::Tensor tensor;
   /// The unit that manages the tensor, and its shard there; unset for what no unit manages.
-  std::optional<FSDPModule> unit;
-  std::optional<ShardedParameterInfo> sharded;
+  struct Owner {
+    FSDPModule unit;
+    ShardedParameterInfo shard;
+  };
+  std::optional<Owner> owner;
 };
 
 std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
@@ -53,8 +57,7 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
     entry.tensor = tensor;
     auto owner = managed.find(tensor.unsafeGetTensorImpl());
     if (owner != managed.end()) {
-      entry.unit = owner->second.first;
-      entry.sharded = owner->second.second;
+      entry.owner = ModelTensor::Owner{owner->second.first, owner->second.second};
     }
     tensors.push_back(std::move(entry));
   };
@@ -63,11 +66,11 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
   return tensors;
 }
 
-bool is_sharded(const ModelTensor& entry) { return entry.sharded && entry.unit->shard_group(); }
+bool is_sharded(const ModelTensor& entry) { return entry.owner && entry.owner->unit.shard_group(); }
 
 /// Under HYBRID_SHARD every machine holds the same shards; the first machine's copy is the one saved.
 bool is_replica_copy(const ModelTensor& entry) {
-  return entry.unit && entry.unit->replicate_group() && entry.unit->replicate_group()->rank() != 0;
+  return entry.owner && entry.owner->unit.replicate_group() && entry.owner->unit.replicate_group()->rank() != 0;
 }
 
 /// The full tensor from this rank's padded shard: all-gathered over the unit's shard group.
@@ -116,7 +119,7 @@ std::string shape_message(const ModelTensor& entry, const std::string& name, con
 }
 
 at::IntArrayRef global_shape(const ModelTensor& entry) {
-  return entry.sharded ? at::IntArrayRef(entry.sharded->layout.unsharded_sizes) : entry.tensor.sizes();
+  return entry.owner ? at::IntArrayRef(entry.owner->shard.layout.unsharded_sizes) : entry.tensor.sizes();
 }
 
 /// This rank's rows of `name` from `source`, shaped as the local shard.
@@ -128,8 +131,8 @@ at::Tensor local_rows(const TensorSource& source, const std::string& name, const
 
 void copy_into_model(const ModelTensor& entry, const at::Tensor& local) {
   at::NoGradGuard no_grad;
-  if (entry.sharded) {
-    entry.sharded->sharded_data.copy_(local);
+  if (entry.owner) {
+    entry.owner->shard.sharded_data.copy_(local);
   } else {
     entry.tensor.copy_(local);
   }
@@ -143,7 +146,7 @@ std::unordered_map<const c10::TensorImpl*, const ModelTensor*> by_impl(const std
 
 /// Whether a state tensor is laid out like its parameter's shard (so it is sharded the same way).
 bool sharded_like_parameter(const ModelTensor& entry, const at::Tensor& state) {
-  return is_sharded(entry) && state.dim() > 0 && state.sizes() == at::IntArrayRef(entry.sharded->layout.sharded_sizes);
+  return is_sharded(entry) && state.dim() > 0 && state.sizes() == at::IntArrayRef(entry.owner->shard.layout.sharded_sizes);
 }
 
 }  // namespace
@@ -180,7 +183,7 @@ TensorList full_model_state_dict(torch::nn::Module& model, const StateDictConfig
   TensorList result;
   for (const auto& entry : model_tensors(model)) {
     // Every rank takes part in each gather, whether or not it keeps the result.
-    at::Tensor full = entry.sharded ? gather_full(*entry.unit, entry.sharded->sharded_padded, entry.sharded->layout)
+    at::Tensor full = entry.owner ? gather_full(entry.owner->unit, entry.owner->shard.sharded_padded, entry.owner->shard.layout)
                                     : entry.tensor.detach().clone();
     if (keep) result.emplace_back(entry.name, std::move(full));
   }
@@ -192,12 +195,12 @@ ShardedTensorList sharded_model_state_dict(torch::nn::Module& model) {
   for (const auto& entry : model_tensors(model)) {
     ShardedTensor sharded;
     if (is_sharded(entry)) {
-      sharded.local = entry.sharded->sharded_data.detach().clone();
-      sharded.global_shape = entry.sharded->layout.unsharded_sizes;
-      sharded.row_offset = entry.sharded->layout.row_offset;
+      sharded.local = entry.owner->shard.sharded_data.detach().clone();
+      sharded.global_shape = entry.owner->shard.layout.unsharded_sizes;
+      sharded.row_offset = entry.owner->shard.layout.row_offset;
       sharded.duplicate = is_replica_copy(entry);
     } else {
-      sharded.local = entry.sharded ? entry.sharded->sharded_padded.view(entry.sharded->layout.unsharded_sizes).clone()
+      sharded.local = entry.owner ? entry.owner->shard.sharded_padded.view(entry.owner->shard.layout.unsharded_sizes).clone()
                                     : entry.tensor.detach().clone();
       sharded.global_shape = sharded.local.sizes().vec();
       sharded.replicated = true;
@@ -226,7 +229,7 @@ TensorList local_model_state_dict(torch::nn::Module& model) {
     result.emplace_back(name.empty() ? "flat_param" : name + ".flat_param", at::cat(pieces));
   }
   for (const auto& entry : model_tensors(model)) {
-    if (!entry.sharded) result.emplace_back(entry.name, entry.tensor.detach().clone());
+    if (!entry.owner) result.emplace_back(entry.name, entry.tensor.detach().clone());
   }
   return result;
 }
@@ -242,7 +245,7 @@ void load_model_state_dict(torch::nn::Module& model, const TensorSource& source)
   for (const auto& entry : tensors) {
     const auto name = source_name(entry, source);
     if (is_sharded(entry)) {
-      copy_into_model(entry, local_rows(source, name, entry.sharded->layout, entry.tensor.options()));
+      copy_into_model(entry, local_rows(source, name, entry.owner->shard.layout, entry.tensor.options()));
     } else {
       const auto shape = source.shape(name);
       copy_into_model(entry, source.rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(global_shape(entry)));
@@ -275,7 +278,7 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
       problem = detail::message_of(error);
     }
   }
-  const auto message = detail::broadcast_string(context.world(), problem, 0);
+  const auto message = detail::broadcast_string(context, problem, 0);
   TORCH_CHECK(message.empty(), is_source ? message : "rank 0 could not load the state dict: " + message);
   int64_t peak_bytes = 0;
   for (const auto& entry : tensors) {
@@ -292,13 +295,13 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
         if (read_error.empty()) read_error = "reading '" + entry.name + "' failed";
       }
     }
-    read_error = detail::broadcast_string(context.world(), read_error, 0);
+    read_error = detail::broadcast_string(context, read_error, 0);
     TORCH_CHECK(read_error.empty(), is_source ? read_error : "rank 0 could not read '" + entry.name + "': " + read_error);
     if (!is_source) full = at::empty(shape, entry.tensor.options().requires_grad(false));
     peak_bytes = std::max<int64_t>(peak_bytes, full.numel() * full.element_size());
     broadcast(context.world(), full, 0);
     if (is_sharded(entry)) {
-      const auto& layout = entry.sharded->layout;
+      const auto& layout = entry.owner->shard.layout;
       copy_into_model(entry, layout.numel_owned == 0
                                  ? at::empty(layout.sharded_sizes, full.options())
                                  : full.reshape({layout.rows, layout.row_numel})
@@ -338,7 +341,7 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
     }
   }
   for (const auto& entry : model_tensors(model)) {
-    if (entry.sharded) continue;
+    if (entry.owner) continue;
     TORCH_CHECK(source.contains(entry.name), "LOCAL state dict lacks buffer or parameter '", entry.name, "'");
     TORCH_CHECK(at::IntArrayRef(source.shape(entry.name)) == entry.tensor.sizes(), shape_message(entry, entry.name, source,
                                                                                                   entry.tensor.sizes()));
@@ -372,9 +375,9 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
       for (const auto& [field, value] : detail::state_fields(result.optimizer, *state->second)) {
         ShardedTensor sharded;
         if (sharded_like_parameter(entry, value)) {
-          const auto& layout = entry.sharded->layout;
+          const auto& layout = entry.owner->shard.layout;
           if (full_config) {
-            sharded.local = gather_full(*entry.unit, padded(value, layout), layout);
+            sharded.local = gather_full(entry.owner->unit, padded(value, layout), layout);
             sharded.global_shape = layout.unsharded_sizes;
             sharded.replicated = true;
           } else {
@@ -471,9 +474,9 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
         const auto shape = tensors.shape(name);
         at::Tensor local;
         if (std::string(field) != "step" && is_sharded(entry) &&
-            at::IntArrayRef(shape) == at::IntArrayRef(entry.sharded->layout.unsharded_sizes)) {
+            at::IntArrayRef(shape) == at::IntArrayRef(entry.owner->shard.layout.unsharded_sizes)) {
           // Own memory: a view would keep the whole tensor of a FULL file alive on every rank.
-          local = local_rows(tensors, name, entry.sharded->layout, parameter.options())
+          local = local_rows(tensors, name, entry.owner->shard.layout, parameter.options())
                       .to(parameter.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         } else {
           local = tensors.rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).clone();

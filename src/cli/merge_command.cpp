@@ -90,7 +90,7 @@ Command add_merge_command(CLI::App& parent) {
       std::cout << "merged " << result.tensors << " tensors, " << human_bytes(static_cast<double>(result.bytes))
                 << (options->remove_checkpoint_dir ? "; removed " + *checkpoint_dir : std::string()) << std::endl;
     }
-    if (context) barrier(context->world());
+    if (context) barrier(context->control());
     return 0;
   };
   return command;

@@ -282,6 +282,15 @@ CollectiveWork::CollectiveWork(std::shared_ptr<detail::CollectiveWorkState> stat
 
 bool CollectiveWork::completed() const { return state_ == nullptr || state_->done; }
 
+bool CollectiveWork::query() const {
+  if (state_ == nullptr) return true;
+  // A successful wait() clears the works; a failed one keeps them, and they are asked again.
+  for (const auto& work : state_->works) {
+    if (!work->isCompleted()) return false;
+  }
+  return true;
+}
+
 void CollectiveWork::wait() {
   if (state_ == nullptr || state_->done) return;
   state_->done = true;  // a failed collective is not retried by a second wait()
@@ -363,7 +372,7 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
   // From the pool of unit-sized blocks: a fresh buffer costs a page fault per 4 KiB (31 ms for 64 MB
   // here, more than the transfer), and the same sizes recur every step.
   const int64_t chunk_bytes = shard_numel * input.element_size();
-  auto received_bytes = detail::pooled_bytes(group.size * chunk_bytes);
+  auto received_bytes = detail::pooled_bytes(group.size * chunk_bytes, input.device());
   auto received = received_bytes.view(input.scalar_type()).view({group.size, shard_numel});
   auto send_bytes = as_bytes(send);
   received_bytes.narrow(0, group.rank * chunk_bytes, chunk_bytes)

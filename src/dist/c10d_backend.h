@@ -45,6 +45,7 @@ struct RendezvousState {
   ProcessGroup world;
   ProcessGroup intra_node;
   ProcessGroup cross_node;
+  ProcessGroup control;
 };
 
 /// Connects to (rank 0: hosts) the TCP store at MASTER_ADDR:MASTER_PORT. Throws with the address,

@@ -75,6 +75,7 @@ const DistributedEnvironment& DistributedContext::environment() const { return s
 const ProcessGroup& DistributedContext::world() const { return state_->world; }
 const ProcessGroup& DistributedContext::intra_node() const { return state_->intra_node; }
 const ProcessGroup& DistributedContext::cross_node() const { return state_->cross_node; }
+const ProcessGroup& DistributedContext::control() const { return state_->control; }
 
 DistributedContext DistributedContext::initialize_from_environment() {
   return initialize(parse_distributed_environment(current_process_environment()));
@@ -90,12 +91,14 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
     state.world = single;
     state.intra_node = single;
     state.cross_node = ProcessGroup(detail::create_process_group(nullptr, environment, "cross_node[0]", {environment.rank}));
+    state.control = ProcessGroup(detail::create_process_group(nullptr, environment, "control", {environment.rank}));
     return context;
   }
 
   state.store = detail::connect_rendezvous_store(environment);
   std::vector<int64_t> everyone(environment.world_size);
   for (int64_t rank = 0; rank < environment.world_size; ++rank) everyone[rank] = rank;
+  state.control = ProcessGroup(detail::create_process_group(state.store, environment, "control", everyone));
   state.world = ProcessGroup(detail::create_process_group(state.store, environment, "world", everyone));
 
   // Every rank states where it thinks it is; the groups are planned from what all of them said, so
@@ -103,7 +106,7 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
   auto mine = at::tensor({environment.rank, environment.local_rank, environment.local_world_size, environment.node_rank},
                          at::kLong);
   auto all = at::empty({environment.world_size * 4}, at::kLong);
-  all_gather(state.world, all, mine);
+  all_gather(state.control, all, mine);
   std::vector<RankReport> reports(environment.world_size);
   auto values = all.accessor<int64_t, 1>();
   for (int64_t rank = 0; rank < environment.world_size; ++rank) {

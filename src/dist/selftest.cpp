@@ -267,7 +267,7 @@ SelftestReport run_collective_selftest(const DistributedContext& context) {
 
   // Every rank learns whether any rank failed, so all exit with the same verdict.
   auto failed_ranks = at::tensor({checker.failures().empty() ? int64_t{0} : int64_t{1}}, at::kLong);
-  all_reduce(context.world(), failed_ranks);
+  all_reduce(context.control(), failed_ranks);
   const int64_t failing = failed_ranks.item<int64_t>();
   report.failures = checker.failures();
   report.passed = failing == 0;

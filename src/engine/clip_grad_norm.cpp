@@ -15,15 +15,20 @@
 namespace fsdp {
 
 double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_type) {
-  TORCH_CHECK(norm_type > 0, "clip_grad_norm_: norm_type must be positive (or infinity), got ", norm_type);
-  TORCH_CHECK(max_norm >= 0, "clip_grad_norm_: max_norm must be non-negative, got ", max_norm);
+  const auto units = fsdp_modules(model);
+  // Errors say which rank raised them when the model is sharded (every rank checks the same values).
+  const std::string rank = units.empty() ? std::string() : detail::group_of(units.front()).on_rank();
+  TORCH_CHECK(norm_type > 0, rank, "clip_grad_norm_: norm_type must be positive (or infinity), got ", norm_type);
+  TORCH_CHECK(max_norm >= 0, rank, "clip_grad_norm_: max_norm must be non-negative, got ", max_norm);
   const bool infinity_norm = std::isinf(norm_type);
   at::NoGradGuard no_grad;
   std::vector<at::Tensor> gradients;
   // Sharded contributions are reduced over the shard group; others (ignored parameters, modules
   // outside every unit) hold the full gradient on every rank and count once. The totals stay tensors
-  // until the end: one host read per call, not one per gradient (on a GPU each would be a sync).
-  const auto scalar_options = at::TensorOptions().dtype(at::kDouble);
+  // on the gradients' device until the end: one host read per call, not one per gradient (on a GPU
+  // each would be a sync).
+  const c10::Device device = units.empty() ? c10::Device(c10::kCPU) : detail::group_of(units.front()).device();
+  const auto scalar_options = at::TensorOptions().dtype(at::kDouble).device(device);
   at::Tensor sharded_total = at::zeros({1}, scalar_options);
   at::Tensor local_total = at::zeros({1}, scalar_options);
   auto accumulate = [&](const at::Tensor& gradient, at::Tensor& total) {
@@ -37,7 +42,7 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
   };
   std::optional<ProcessGroup> shard_group;
   std::unordered_set<const c10::TensorImpl*> managed;
-  for (const auto& unit : fsdp_modules(model)) {
+  for (const auto& unit : units) {
     auto& group = detail::group_of(unit);
     if (auto state = detail::root_state_of(group)) {
       TORCH_CHECK(!state->iteration_active(), group.on_rank(),

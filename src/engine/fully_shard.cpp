@@ -138,12 +138,16 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const D
 
 FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                        const DistributedContext& context, const FullyShardOptions& options) {
-  validate(options);
-  TORCH_CHECK(!modules.empty(), "fully_shard: no modules given");
+  try {
+    validate(options);
+  } catch (const c10::Error& error) {
+    TORCH_CHECK(false, detail::on_rank(context), "fully_shard: ", error.what_without_backtrace());
+  }
+  TORCH_CHECK(!modules.empty(), detail::on_rank(context), "fully_shard: no modules given");
   for (size_t index = 0; index < modules.size(); ++index) {
-    TORCH_CHECK(modules[index], "fully_shard: module ", index, " is null");
-    TORCH_CHECK(!detail::find_param_group(modules[index].get()), "fully_shard: ", modules[index]->name(),
-                " is already an FSDP unit; apply fully_shard once per module");
+    TORCH_CHECK(modules[index], detail::on_rank(context), "fully_shard: module ", index, " is null");
+    TORCH_CHECK(!detail::find_param_group(modules[index].get()), detail::on_rank(context), "fully_shard: ",
+                modules[index]->name(), " is already an FSDP unit; apply fully_shard once per module");
   }
   std::unordered_set<const c10::TensorImpl*> ignored;
   for (const auto& tensor : options.ignored_parameters) ignored.insert(tensor.unsafeGetTensorImpl());

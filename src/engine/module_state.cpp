@@ -171,9 +171,22 @@ void RootState::end_iteration(bool check) {
     reductions_in_flight_.clear();
     if (check) first_error = std::current_exception();  // an abandoned iteration's failure was already raised
   }
+  // Note [gradient flags]: one host read for every unit's flags.
+  std::vector<at::Tensor> flags;
   for (const auto& group : groups_) {
+    if (group->gradient_flags().defined()) flags.push_back(group->gradient_flags());
+  }
+  at::Tensor host_flags;
+  if (!flags.empty()) host_flags = at::cat(flags).to(at::kCPU).contiguous();
+  const bool* next_flags = host_flags.defined() ? host_flags.data_ptr<bool>() : nullptr;
+  for (const auto& group : groups_) {
+    const bool* had_gradient = nullptr;
+    if (group->gradient_flags().defined()) {
+      had_gradient = next_flags;
+      next_flags += group->gradient_flags().numel();
+    }
     try {
-      group->end_iteration(check);
+      group->end_iteration(had_gradient, check);
     } catch (...) {
       if (!first_error) first_error = std::current_exception();
     }

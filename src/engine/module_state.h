@@ -14,6 +14,10 @@
 // not require grad, and units nobody forwarded) in reverse forward order and then in reverse creation
 // order, reshards everything and puts the sharded gradients back. A forward without grad mode frees
 // every unit of the tree, root included, when the root's forward returns.
+// Ranks that take different branches inside a unit therefore still issue the same collectives in
+// the same order (tested). An earlier design reduced a unit when every parameter's AccumulateGrad
+// hook had fired; that let one rank reduce a unit mid-backward while another deferred it, and it
+// freed gathered weights that a frozen parameter's backward still needed.
 //
 // [Note: prefetch]
 // On CUDA, FSDP2 overlaps the next unit's all-gather with the current unit's compute because the CPU

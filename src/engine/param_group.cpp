@@ -25,10 +25,10 @@ int64_t element_size(c10::ScalarType dtype) { return static_cast<int64_t>(c10::e
 
 // The unsharded buffer's memory comes from, and goes back to (return_pooled_bytes), the pool of
 // unit-sized blocks.
-void allocate_storage(const at::Tensor& tensor, int64_t nbytes) {
+void allocate_storage(const at::Tensor& tensor, int64_t nbytes, c10::Device device) {
   auto* storage = tensor.storage().unsafeGetStorageImpl();
   if (static_cast<int64_t>(storage->nbytes()) == nbytes) return;
-  storage->set_data_ptr_noswap(take_pooled_block(nbytes));
+  storage->set_data_ptr_noswap(take_pooled_block(nbytes, device));
   storage->set_nbytes(nbytes);
 }
 
@@ -114,6 +114,12 @@ void ParamGroup::initialize() {
   }
 
   unshard_is_identity_ = shard_size == 1;
+  device_ = parameters_.empty() ? c10::Device(c10::kCPU) : parameters_.front().parameter.device();
+  for (const auto& parameter : parameters_) {
+    TORCH_INTERNAL_ASSERT(parameter.parameter.device() == device_, description(), ": parameter '", parameter.name,
+                          "' is on ", parameter.parameter.device(), " but the unit on ", device_,
+                          " (fully_shard checks one device per model)");
+  }
   int64_t all_gather_bytes = 0;
   int64_t unsharded_bytes = 0;
   for (auto& parameter : parameters_) {
@@ -154,7 +160,7 @@ void ParamGroup::initialize() {
       parameter.unsharded_data = parameter.sharded_padded.view(parameter.layout.unsharded_sizes);
     }
   } else {
-    unsharded_buffer_ = at::empty({std::max<int64_t>(unsharded_buffer_bytes_, 1)}, at::TensorOptions().dtype(at::kByte));
+    unsharded_buffer_ = at::empty({std::max<int64_t>(unsharded_buffer_bytes_, 1)}, at::TensorOptions().dtype(at::kByte).device(device_));
     for (auto& parameter : parameters_) {
       const int64_t bytes = parameter.layout.numel_unsharded() * element_size(parameter.compute_dtype);
       parameter.unsharded_data = unsharded_buffer_.narrow(0, parameter.unsharded_offset_bytes, bytes)
@@ -204,7 +210,7 @@ void ParamGroup::unshard(bool async_op) {
     return;
   }
   at::NoGradGuard no_grad;
-  allocate_storage(unsharded_buffer_, std::max<int64_t>(unsharded_buffer_bytes_, 1));
+  allocate_storage(unsharded_buffer_, std::max<int64_t>(unsharded_buffer_bytes_, 1), device_);
   const int64_t shard_size = shard_world_size();
   if (shard_size == 1) {
     // A cast only (mixed precision without sharding): nothing to overlap.
@@ -215,16 +221,18 @@ void ParamGroup::unshard(bool async_op) {
     sharded_state_ = ShardedState::kUnsharded;
     return;
   }
-  PendingUnshard pending;
-  pending.input = at::empty({all_gather_row_bytes_}, at::TensorOptions().dtype(at::kByte));
+  // Copy-in: this rank's padded shards, cast to the compute dtype, side by side in one row.
+  auto input = pooled_bytes(all_gather_row_bytes_, device_);
   for (const auto& parameter : parameters_) {
     const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
-    pending.input.narrow(0, parameter.all_gather_offset_bytes, bytes)
-        .view(parameter.compute_dtype)
-        .copy_(parameter.sharded_padded);
+    input.narrow(0, parameter.all_gather_offset_bytes, bytes).view(parameter.compute_dtype).copy_(parameter.sharded_padded);
   }
-  pending.output = pooled_bytes(shard_size * all_gather_row_bytes_);
-  pending.work = all_gather_async(*shard_group_, pending.output, pending.input);
+  PendingUnshard pending;
+  pending.output = pooled_bytes(shard_size * all_gather_row_bytes_, device_);
+  pending.work = all_gather_async(*shard_group_, pending.output, input);
+  // Nothing here reads the row again; the pool hands it out once the transport is done with it.
+  auto work = pending.work;
+  return_pooled_bytes_after(input, [work] { return work.query(); });
   unshard_in_flight_ = std::move(pending);
   if (!async_op) wait_for_unshard();
 }
@@ -303,6 +311,7 @@ void ParamGroup::begin_iteration() {
   refresh_trainable_parameters();
   for (auto& parameter : parameters_) {
     parameter.stashed_sharded_gradient = parameter.parameter.grad();
+    parameter.had_gradient_before_iteration = parameter.stashed_sharded_gradient.defined();
     parameter.gradient_stashed = true;
     if (parameter.stashed_sharded_gradient.defined()) parameter.parameter.mutable_grad() = at::Tensor();
   }
@@ -311,22 +320,29 @@ void ParamGroup::begin_iteration() {
   training_state_ = TrainingState::kForward;
 }
 
-void ParamGroup::end_iteration(bool check) {
+void ParamGroup::end_iteration(const bool* had_gradient, bool check) {
   if (training_state_ == TrainingState::kIdle) return;
   training_state_ = TrainingState::kIdle;
   pending_input_gradients_ = 0;
   reshard();
   std::string stray_gradient;
+  int64_t trainable_index = 0;
   for (auto& parameter : parameters_) {
     auto gradient = parameter.parameter.grad();
     if (gradient.defined() && stray_gradient.empty()) {
       stray_gradient = "parameter '" + parameter.name + "' of " + description() + " received a gradient of shape " +
                        sizes_text(gradient.sizes()) + " outside its unit's forward";
     }
+    // A parameter no rank had a gradient for keeps the gradient it had before the iteration
+    // (undefined after zero_grad), as in single-process training: optimizers skip it.
+    const bool reduced = parameter.requires_grad && had_gradient != nullptr && had_gradient[trainable_index];
+    if (parameter.requires_grad) ++trainable_index;
+    if (!reduced && !parameter.had_gradient_before_iteration) parameter.stashed_sharded_gradient = at::Tensor();
     parameter.parameter.mutable_grad() = parameter.gradient_stashed ? parameter.stashed_sharded_gradient : at::Tensor();
     parameter.stashed_sharded_gradient = at::Tensor();
     parameter.gradient_stashed = false;
   }
+  gradient_flags_ = at::Tensor();
   TORCH_CHECK(!check || stray_gradient.empty(), on_rank(), stray_gradient, kCalledWithoutFsdpForward);
 }
 
@@ -389,7 +405,7 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
   const double post_divide = static_cast<double>(data_parallel_size) / pre_divide;
   const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
 
-  auto reduce_scatter_input = pooled_bytes(shard_size * reduce_row_numel_ * element_size(*reduce_dtype_))
+  auto reduce_scatter_input = pooled_bytes(shard_size * reduce_row_numel_ * element_size(*reduce_dtype_), device_)
                                   .view(*reduce_dtype_)
                                   .view({shard_size, reduce_row_numel_})
                                   .zero_();
@@ -413,18 +429,23 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
   }
   if (pre_divide != 1.0) reduce_scatter_input.div_(pre_divide);
   PendingReduction pending;
-  pending.input = reduce_scatter_input;
   pending.post_divide = post_divide;
   if (shard_size > 1) {
     pending.output = at::empty({reduce_row_numel_}, reduce_scatter_input.options());
     if (replicate_group_) {
       reduce_scatter(*shard_group_, pending.output, reduce_scatter_input.view({-1}));
+      return_pooled_bytes(reduce_scatter_input);
       pending.work = all_reduce_async(*replicate_group_, pending.output);
     } else {
       pending.work = reduce_scatter_async(*shard_group_, pending.output, reduce_scatter_input.view({-1}));
+      // The input is only sent: the pool takes it back once the transport is done with it.
+      auto work = *pending.work;
+      return_pooled_bytes_after(reduce_scatter_input, [work] { return work.query(); });
     }
   } else {
+    // One shard: the input is the output, reduced in place over the replicas.
     pending.output = reduce_scatter_input.view({-1});
+    pending.pooled_output = true;
     if (replicate_group_) pending.work = all_reduce_async(*replicate_group_, pending.output);
   }
   reduction_in_flight_ = std::move(pending);
@@ -438,27 +459,30 @@ void ParamGroup::finish_reduction() {
   if (pending.work) pending.work->wait();
   auto& reduce_scatter_output = pending.output;
   if (pending.post_divide != 1.0) reduce_scatter_output.div_(pending.post_divide);
+  // Whether any rank had a gradient, per trainable parameter, kept on the device: the host reads
+  // every unit's flags once, at the end of the iteration (Note [gradient flags]).
   const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
   auto any_rank_had_gradient = reduce_scatter_output.narrow(0, flags_offset, trainable_count_).gt(0);
-  auto flags = any_rank_had_gradient.accessor<bool, 1>();
+  gradient_flags_ = gradient_flags_.defined() ? gradient_flags_.logical_or(any_rank_had_gradient) : any_rank_had_gradient;
   int64_t trainable_index = 0;
   for (auto& parameter : parameters_) {
     if (!parameter.requires_grad) continue;
+    const auto had_gradient = any_rank_had_gradient.narrow(0, trainable_index++, 1);
     // An own tensor, not a view of the reduce buffer: optimizers detach_() and zero_() gradients.
-    // Left undefined when no rank had a gradient, as in single-process training (optimizers skip it).
-    if (!flags[trainable_index++]) continue;
     auto sharded_gradient = reduce_scatter_output.narrow(0, parameter.reduce_offset, parameter.layout.numel_owned)
                                 .view(parameter.layout.sharded_sizes)
                                 .to(parameter.original_dtype, /*non_blocking=*/false, /*copy=*/true);
     auto& stashed = parameter.stashed_sharded_gradient;
-    if (stashed.defined()) {
-      stashed.add_(sharded_gradient);
-    } else {
+    if (!stashed.defined()) {
       stashed = sharded_gradient;
+    } else {
+      // Where no rank had a gradient the reduced values are zeros; leaving the stashed gradient as it
+      // was (rather than adding +0) keeps it bitwise unchanged, without asking the host.
+      stashed.copy_(at::where(had_gradient, stashed + sharded_gradient, stashed));
     }
   }
   // Nothing reads the reduction's buffers any more (the gradients above are copies).
-  return_pooled_bytes(pending.input);
+  if (pending.pooled_output) return_pooled_bytes(reduce_scatter_output);
 }
 
 }  // namespace fsdp::detail

@@ -5,11 +5,13 @@
 // Autograd saves views of the parameters it multiplies with (a Linear saves `weight.t()`, a view of
 // the weight's storage at forward time). Swapping the parameter's data with `set_data` after forward
 // would leave those views pointing at the old full storage, so nothing would be freed and backward
-// would read stale values. Instead every unsharded parameter is a view into one per-unit buffer
-// whose storage object lives as long as the unit; resharding frees that storage's memory (nbytes 0)
-// and unsharding allocates it again and refills it, so views saved by autograd see the new data.
-// The registered parameter itself (the TensorImpl the optimizer and the user hold) never changes
-// identity: `set_data` points it at the sharded view (between steps) or at the unsharded view.
+// would read stale values. Instead every unsharded parameter is a view into one per-unit uint8
+// buffer whose StorageImpl lives as long as the unit; resharding takes that storage's memory back to
+// the pool (data pointer null, nbytes 0: take_storage_memory) and unsharding gives it a block again
+// (`set_data_ptr_noswap`, `set_nbytes`) and refills it, so views saved by autograd see the new data.
+// This is FSDP2's `untyped_storage().resize_(0)` in libtorch's C++ terms. The registered parameter
+// itself (the TensorImpl the optimizer and the user hold) never changes identity: `set_data` points
+// it at the sharded view (between steps) or at the unsharded view.
 //
 // [Note: gradients while unsharded]
 // AccumulateGrad writes a full-shape gradient into `param.grad`, which must therefore be empty when
@@ -66,6 +68,9 @@ struct ShardedParameter {
   /// Per-iteration state.
   at::Tensor stashed_sharded_gradient;
   bool gradient_stashed = false;
+  /// Whether the parameter had a (sharded) gradient when the iteration began: if no rank produces
+  /// one during it, that is what it is left with (Note [gradient flags]).
+  bool had_gradient_before_iteration = false;
   /// Gradients summed over micro-steps while gradient sync is off, in the reduce dtype, full shape.
   at::Tensor unsharded_accumulated_gradient;
 };
@@ -92,21 +97,32 @@ std::string on_rank(const DistributedContext& context);
 /// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
 /// most two reductions in flight (their buffers are the extra memory) and finishes them in issue
 /// order; the end of backward finishes the rest before the sharded gradients are put back.
+/// Its input went back to the pool when it was issued, to be reused once the transport is done with
+/// it (Note [a block returns after its last use], src/memory/buffer_pool.h).
 struct PendingReduction {
   std::optional<CollectiveWork> work;
-  /// The collective's input, alive until it completes.
-  at::Tensor input;
   at::Tensor output;
+  /// The output is the pooled input itself (one shard), returned once the result is copied out.
+  bool pooled_output = false;
   double post_divide = 1.0;
 };
 
 /// An all-gather in flight (FSDP2's all-gather result before copy-out): the unit's parameters still
-/// point at their shards until wait_for_unshard copies the rows out and switches them.
+/// point at their shards until wait_for_unshard copies the rows out and switches them. Its input row
+/// is already back in the pool, like a reduction's.
 struct PendingUnshard {
   CollectiveWork work;
-  at::Tensor input;
   at::Tensor output;
 };
+
+/// [Note: gradient flags]
+/// Each reduce-scatter row carries, after the gradients, one flag per trainable parameter: 1 where
+/// this rank had a gradient. After the reduction a flag is non-zero where any rank had one, and a
+/// parameter that no rank had a gradient for must be left without one, as in single-process training
+/// (every rank must agree, or the optimizers would step different parameters). Reading the flags is
+/// a host read of device memory, a synchronization on a GPU: a unit keeps them on its device, OR-ed
+/// over the iteration's reductions, and the root state reads every unit's flags at once at the end of
+/// the iteration (one host read per step, none per unit).
 
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
@@ -197,9 +213,15 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   }
   TrainingState training_state() const { return training_state_; }
   void begin_iteration();
-  /// Reshards and puts the sharded gradients back. With `check`, a gradient written on a sharded
+  /// Whether any rank had a gradient, per trainable parameter, over this iteration's reductions
+  /// (undefined before the first): Note [gradient flags].
+  const at::Tensor& gradient_flags() const { return gradient_flags_; }
+  /// Reshards and puts the sharded gradients back; `had_gradient` is gradient_flags() read on the
+  /// host (null when the unit reduced nothing). With `check`, a gradient written on a sharded
   /// parameter (a unit called without fsdp::forward) is reported after the state is restored.
-  void end_iteration(bool check = true);
+  void end_iteration(const bool* had_gradient, bool check = true);
+  /// The device of the unit's parameters: where its buffers and collectives live.
+  c10::Device device() const { return device_; }
 
  private:
   /// Which parameters take part in gradient reduction (those that require grad now) and where.
@@ -222,6 +244,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// uint8 buffer whose storage is freed while sharded (see the note above).
   at::Tensor unsharded_buffer_;
   ShardedState sharded_state_ = ShardedState::kSharded;
+  c10::Device device_{c10::kCPU};
+  at::Tensor gradient_flags_;
   bool is_root_ = false;
   std::optional<bool> reshard_after_forward_override_;
   bool requires_gradient_sync_ = true;

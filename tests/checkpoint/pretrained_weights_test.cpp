@@ -6,8 +6,8 @@
 
 #include <fsdp/fsdp.h>
 
-#include "engine/parity.h"
-#include "engine/test_models.h"
+#include "harness/parity.h"
+#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 

@@ -100,8 +100,37 @@ TEST_P(Collectives, InterleavedAsyncCollectivesKeepTheirOwnData) {
   });
 }
 
+// query() is the event-like half of CollectiveWork (Note [a block returns after its last use]): it
+// must say "not done" while a peer has not sent yet, without blocking, and "done" after wait().
+TEST_P(Collectives, QueryDoesNotBlockAndSaysWhenTheTransportIsDone) {
+  testing::run_on_ranks(GetParam(), [](const DistributedContext& context) {
+    const auto& world = context.world();
+    const int64_t size = world.size();
+    auto gathered = at::empty({size * 4}, at::kFloat);
+    auto shard = at::full({4}, static_cast<float>(world.rank()), at::kFloat);
+    if (world.rank() == 0) {
+      auto work = all_gather_async(world, gathered, shard);
+      // The other ranks issue theirs only after this barrier, so nothing can have arrived yet.
+      if (size > 1) {
+        EXPECT_FALSE(work.query());
+      }
+      barrier(context.control());
+      work.wait();
+      EXPECT_TRUE(work.query());
+      EXPECT_TRUE(work.completed());
+    } else {
+      barrier(context.control());
+      all_gather(world, gathered, shard);
+    }
+    for (int64_t peer = 0; peer < size; ++peer) EXPECT_EQ(gathered[peer * 4 + 3].item<float>(), peer);
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
-                         [](const ::testing::TestParamInfo<int>& info) { return "N" + std::to_string(info.param); });
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           std::string name = "N";  // appended: GCC 12 warns falsely on "N" + std::string
+                           return name += std::to_string(info.param);
+                         });
 
 TEST(CollectiveErrors, BadBuffersAreNamed) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});

@@ -2,6 +2,7 @@
 #include <fsdp/collectives.h>
 #include <fsdp/process_group.h>
 
+#include "dist/control_channel.h"
 #include "harness/multi_rank.h"
 #include "launch/launcher.h"
 
@@ -83,6 +84,24 @@ TEST(DistributedContext, HybridGroupsOnTwoSimulatedMachines) {
         EXPECT_EQ(cross.item<int64_t>(), 2 * (rank % 2) + 2);
       },
       options);
+}
+
+// Note [the control channel]: host-side messages never touch the data groups.
+TEST(DistributedContext, ControlMessagesTravelApartFromTheDataGroups) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    const auto& control = context.control();
+    EXPECT_EQ(control.name(), "control");
+    EXPECT_EQ(control.global_ranks(), (std::vector<int64_t>{0, 1, 2}));
+    EXPECT_NE(&control.state(), &context.world().state()) << "the control channel must be a group of its own";
+    context.world().reset_bytes_sent();
+    control.reset_bytes_sent();
+    const auto texts = detail::all_gather_strings(context, std::string(context.rank() * 5, 'x'));
+    ASSERT_EQ(texts.size(), 3u);
+    for (int64_t rank = 0; rank < 3; ++rank) EXPECT_EQ(texts[rank], std::string(rank * 5, 'x'));
+    EXPECT_EQ(detail::broadcast_string(context, context.rank() == 2 ? "from two" : "", 2), "from two");
+    EXPECT_EQ(context.world().bytes_sent().total(), 0);
+    EXPECT_GT(control.bytes_sent().total(), 0);
+  });
 }
 
 TEST(DistributedContext, RanksThatDisagreeOnTheLayoutAreNamed) {

@@ -3,7 +3,7 @@
 
 #include <fsdp/fsdp.h>
 
-#include "engine/test_models.h"
+#include "harness/test_models.h"
 #include "harness/error_message.h"
 
 namespace fsdp {

@@ -6,8 +6,8 @@
 #include <fsdp/fsdp.h>
 
 #include "engine/param_group.h"
-#include "engine/parity.h"
-#include "engine/test_models.h"
+#include "harness/parity.h"
+#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 
@@ -545,10 +545,21 @@ TEST(FullyShard, ErrorsNameTheRankAndUnitsByModulePath) {
     EXPECT_EQ(layer.description(), "FSDP unit layers_1 (fsdp::testing::TransformerBlockImpl)");
     EXPECT_EQ(fsdp_module_of(*model)->description(), "FSDP unit <root> (fsdp::testing::TinyTransformerImpl)");
     auto loss = fsdp::forward(model, torch::randint(0, 11, {2, 5})).sum();
-    const auto message = testing::error_message_of([&] { clip_grad_norm_(*model, 1.0); });
-    const std::string prefix = "[rank " + std::to_string(context.rank()) + "] clip_grad_norm_: a forward";
-    EXPECT_EQ(message.rfind(prefix, 0), 0u) << message;
+    auto message = testing::error_message_of([&] { clip_grad_norm_(*model, 1.0); });
+    const std::string rank = "[rank " + std::to_string(context.rank()) + "] ";
+    EXPECT_EQ(message.rfind(rank + "clip_grad_norm_: a forward", 0), 0u) << message;
     loss.backward();
+    // Argument errors too.
+    message = testing::error_message_of([&] { clip_grad_norm_(*model, -1.0); });
+    EXPECT_EQ(message.rfind(rank + "clip_grad_norm_: max_norm must be non-negative", 0), 0u) << message;
+    message = testing::error_message_of([&] { fully_shard(model->layers[0].ptr(), context); });
+    EXPECT_EQ(message.rfind(rank + "fully_shard: ", 0), 0u) << message;
+    EXPECT_NE(message.find("is already an FSDP unit"), std::string::npos) << message;
+    FullyShardOptions options;
+    options.mixed_precision.reduce_dtype = torch::kLong;
+    message = testing::error_message_of([&] { fully_shard(torch::nn::Linear(2, 2).ptr(), context, options); });
+    EXPECT_EQ(message.rfind(rank + "fully_shard: FullyShardOptions.mixed_precision.reduce_dtype must be a floating", 0), 0u)
+        << message;
   });
 }
 

@@ -8,7 +8,7 @@
 
 #include <fsdp/fsdp.h>
 
-#include "engine/parity.h"
+#include "harness/parity.h"
 #include "harness/multi_rank.h"
 
 namespace fsdp {

@@ -36,5 +36,40 @@ TEST(BufferPool, KeepsAtMostTheCapOfFreeBlocks) {
   EXPECT_EQ(pooled_free_bytes(), newest) << "the oldest blocks are freed first";
 }
 
+TEST(BufferPool, ABlockReturnedAfterWorkIsNotReusedBeforeTheWorkCompletes) {
+  auto bytes = pooled_bytes(23456);
+  void* address = bytes.data_ptr();
+  bytes.fill_(7);
+  bool complete = false;
+  return_pooled_bytes_after(bytes, [&complete] { return complete; });
+  EXPECT_EQ(pooled_busy_bytes(), 23456);
+  EXPECT_EQ(bytes.storage().nbytes(), 23456u) << "a transport may still read the block: it must stay in place";
+  EXPECT_EQ(bytes[0].item<uint8_t>(), 7);
+
+  auto while_busy = take_pooled_block(23456);
+  EXPECT_NE(while_busy.get(), address) << "a block in use was handed out";
+  // Filling the free list past its cap must not free the busy block either.
+  std::vector<at::DataPtr> others;
+  for (size_t index = 0; index < kMaxKeptBlocks + 2; ++index) others.push_back(take_pooled_block(23456 + 16 * (index + 1)));
+  for (size_t index = 0; index < others.size(); ++index) return_pooled_block(std::move(others[index]), 23456 + 16 * (index + 1));
+  EXPECT_EQ(pooled_busy_bytes(), 23456);
+  EXPECT_EQ(bytes.data_ptr(), address);
+
+  complete = true;
+  EXPECT_EQ(pooled_busy_bytes(), 0);
+  EXPECT_EQ(bytes.storage().nbytes(), 0u) << "once the work completed the pool owns the memory";
+  auto after = take_pooled_block(23456);
+  EXPECT_EQ(after.get(), address) << "a completed block is reused";
+  return_pooled_block(std::move(after), 23456);
+  return_pooled_block(std::move(while_busy), 23456);
+}
+
+TEST(BufferPool, ABlockWhoseWorkAlreadyCompletedReturnsAtOnce) {
+  auto bytes = pooled_bytes(34567);
+  return_pooled_bytes_after(bytes, [] { return true; });
+  EXPECT_EQ(bytes.storage().nbytes(), 0u);
+  EXPECT_EQ(pooled_busy_bytes(), 0);
+}
+
 }  // namespace
 }  // namespace fsdp::detail
