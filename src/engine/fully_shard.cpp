@@ -157,7 +157,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
     const std::string prefix = modules.size() == 1 ? "" : modules[index]->name() + ".";
     collect_managed_modules(modules[index], prefix, managed_modules);
   }
-  std::vector<detail::ShardedParameter> parameters;
+  std::vector<detail::FSDPParam> parameters;
   std::unordered_set<const c10::TensorImpl*> seen;
   const auto already_managed = detail::managed_parameters();
   for (const auto& [prefix, managed] : managed_modules) {
@@ -170,7 +170,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                   tensor.device(), "; this build of fsdp.cpp computes on CPU. Move the model to CPU first");
       TORCH_CHECK(!tensor.is_meta(), detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(),
                   "' is on the meta device; materialize it (or load a full state dict) before sharding");
-      detail::ShardedParameter parameter;
+      detail::FSDPParam parameter;
       parameter.name = prefix + item.key();
       parameter.parameter = tensor;
       parameters.push_back(std::move(parameter));

@@ -7,6 +7,7 @@
 
 #include <fsdp/collectives.h>
 
+#include "engine/fsdp_collectives.h"
 #include "memory/buffer_pool.h"
 
 namespace fsdp::detail {
@@ -41,7 +42,7 @@ std::string sizes_text(at::IntArrayRef sizes) {
 }  // namespace
 
 ParamGroup::ParamGroup(std::vector<std::shared_ptr<torch::nn::Module>> modules, const DistributedContext& context,
-                       const FullyShardOptions& options, std::vector<ShardedParameter> parameters)
+                       const FullyShardOptions& options, std::vector<FSDPParam> parameters)
     : context_(context), options_(options), parameters_(std::move(parameters)) {
   for (const auto& module : modules) modules_.emplace_back(module);
 }
@@ -126,31 +127,15 @@ void ParamGroup::initialize() {
     TORCH_CHECK(!parameter.parameter.grad().defined(), on_rank(), "fully_shard: parameter '", parameter.name,
                 "' already has a gradient of the full shape, which the sharded parameter cannot keep. Reset it first "
                 "(parameter.mutable_grad() = torch::Tensor(), or build the optimizer after sharding)");
-    auto full = parameter.parameter.detach();
-    parameter.original_dtype = full.scalar_type();
-    parameter.compute_dtype = parameter.original_dtype;
-    if (options_.mixed_precision.param_dtype && at::isFloatingType(parameter.original_dtype)) {
-      parameter.compute_dtype = *options_.mixed_precision.param_dtype;
-    }
+    parameter.init_sharded(shard_size, rank, options_.mixed_precision.param_dtype);
     if (parameter.compute_dtype != parameter.original_dtype) unshard_is_identity_ = false;
-    parameter.layout = shard_layout(full.sizes().vec(), shard_size, rank);
-    const auto& layout = parameter.layout;
-    parameter.sharded_padded = at::zeros({layout.numel_padded_shard}, full.options());
-    // A parameter without memory (release_parameter_storage: this build's meta device) gets a
-    // zero shard that a state-dict load fills.
-    const bool has_data = full.numel() == 0 || full.storage().nbytes() > 0;
-    if (layout.numel_owned > 0 && has_data) {
-      parameter.sharded_padded.narrow(0, 0, layout.numel_owned)
-          .copy_(full.reshape({-1}).narrow(0, layout.element_offset(), layout.numel_owned));
-    }
-    parameter.sharded_data = parameter.sharded_padded.narrow(0, 0, layout.numel_owned).view(layout.sharded_sizes);
+    // Every parameter's shard at an aligned offset of one all-gather row, and its N shards at an
+    // aligned offset of the unsharded buffer.
     parameter.all_gather_offset_bytes = all_gather_bytes;
-    const int64_t shard_bytes = layout.numel_padded_shard * element_size(parameter.compute_dtype);
+    const int64_t shard_bytes = parameter.padded_shard_bytes();
     all_gather_bytes = align_up(all_gather_bytes + shard_bytes);
     parameter.unsharded_offset_bytes = unsharded_bytes;
     unsharded_bytes = align_up(unsharded_bytes + shard_size * shard_bytes);
-    // The full tensor is released here: the parameter now owns only its shard.
-    parameter.parameter.set_data(parameter.sharded_data);
   }
   all_gather_row_bytes_ = all_gather_bytes;
   unsharded_buffer_bytes_ = unsharded_bytes;
@@ -174,7 +159,7 @@ void ParamGroup::initialize() {
 
 void ParamGroup::refresh_trainable_parameters() {
   std::vector<ShardLayout> trainable_layouts;
-  std::vector<ShardedParameter*> trainable;
+  std::vector<FSDPParam*> trainable;
   for (auto& parameter : parameters_) {
     parameter.requires_grad = parameter.parameter.requires_grad();
     if (!parameter.requires_grad) continue;
@@ -216,17 +201,13 @@ void ParamGroup::unshard(bool async_op) {
     // A cast only (mixed precision without sharding): nothing to overlap.
     for (auto& parameter : parameters_) {
       parameter.unsharded_data.copy_(parameter.sharded_padded.view(parameter.layout.unsharded_sizes));
-      parameter.parameter.set_data(parameter.unsharded_data);
+      parameter.to_unsharded();
     }
     sharded_state_ = ShardedState::kUnsharded;
     return;
   }
-  // Copy-in: this rank's padded shards, cast to the compute dtype, side by side in one row.
   auto input = pooled_bytes(all_gather_row_bytes_, device_);
-  for (const auto& parameter : parameters_) {
-    const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
-    input.narrow(0, parameter.all_gather_offset_bytes, bytes).view(parameter.compute_dtype).copy_(parameter.sharded_padded);
-  }
+  all_gather_copy_in(parameters_, input);
   PendingUnshard pending;
   pending.output = pooled_bytes(shard_size * all_gather_row_bytes_, device_);
   pending.work = all_gather_async(*shard_group_, pending.output, input);
@@ -248,18 +229,9 @@ void ParamGroup::wait_for_unshard() {
     return_pooled_bytes(unsharded_buffer_);
     throw;
   }
-  const int64_t shard_size = shard_world_size();
-  auto rows = pending.output.view({shard_size, all_gather_row_bytes_});
-  for (const auto& parameter : parameters_) {
-    const int64_t bytes = parameter.layout.numel_padded_shard * element_size(parameter.compute_dtype);
-    if (bytes == 0) continue;
-    // Row r holds rank r's padded shard, so the region becomes the dim-0-padded full tensor.
-    unsharded_buffer_.narrow(0, parameter.unsharded_offset_bytes, shard_size * bytes)
-        .view({shard_size, bytes})
-        .copy_(rows.narrow(1, parameter.all_gather_offset_bytes, bytes));
-  }
+  all_gather_copy_out(pending.output, shard_world_size(), parameters_, unsharded_buffer_);
   return_pooled_bytes(pending.output);
-  for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.unsharded_data);
+  for (auto& parameter : parameters_) parameter.to_unsharded();
   sharded_state_ = ShardedState::kUnsharded;
 }
 
@@ -267,7 +239,7 @@ void ParamGroup::reshard() {
   wait_for_unshard();
   if (sharded_state_ == ShardedState::kSharded) return;
   if (!unshard_is_identity_) {
-    for (auto& parameter : parameters_) parameter.parameter.set_data(parameter.sharded_data);
+    for (auto& parameter : parameters_) parameter.to_sharded();
     return_pooled_bytes(unsharded_buffer_);
   }
   sharded_state_ = ShardedState::kSharded;
@@ -352,8 +324,8 @@ void ParamGroup::post_backward() {
   training_state_ = TrainingState::kPostBackward;
   pending_input_gradients_ = 0;
   at::NoGradGuard no_grad;
+  // One full gradient per parameter, undefined where this rank has none.
   std::vector<at::Tensor> gradients(parameters_.size());
-  std::vector<bool> has_gradient(parameters_.size(), false);
   for (size_t index = 0; index < parameters_.size(); ++index) {
     auto& parameter = parameters_[index];
     if (!parameter.requires_grad) continue;
@@ -364,11 +336,10 @@ void ParamGroup::post_backward() {
                 " but its full shape is ", sizes_text(parameter.layout.unsharded_sizes), kCalledWithoutFsdpForward);
     parameter.parameter.mutable_grad() = at::Tensor();
     gradients[index] = gradient;
-    has_gradient[index] = true;
   }
   if (!requires_gradient_sync_) {
     for (size_t index = 0; index < parameters_.size(); ++index) {
-      if (!has_gradient[index]) continue;
+      if (!gradients[index].defined()) continue;
       auto& accumulated = parameters_[index].unsharded_accumulated_gradient;
       if (accumulated.defined()) {
         accumulated.add_(gradients[index]);
@@ -382,17 +353,15 @@ void ParamGroup::post_backward() {
   for (size_t index = 0; index < parameters_.size(); ++index) {
     auto& accumulated = parameters_[index].unsharded_accumulated_gradient;
     if (!accumulated.defined()) continue;
-    if (has_gradient[index]) accumulated.add_(gradients[index]);
+    if (gradients[index].defined()) accumulated.add_(gradients[index]);
     gradients[index] = accumulated;
-    has_gradient[index] = true;
     accumulated = at::Tensor();
   }
-  reduce_gradients(gradients, has_gradient);
+  reduce_gradients(gradients);
   reshard();
 }
 
-void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients,
-                                  const std::vector<bool>& has_gradient) {
+void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients) {
   if (trainable_count_ == 0) return;
   // A second reduction of this unit in one backward (a unit used twice) adds to the first.
   finish_reduction();
@@ -409,24 +378,7 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
                                   .view(*reduce_dtype_)
                                   .view({shard_size, reduce_row_numel_})
                                   .zero_();
-  int64_t trainable_index = 0;
-  for (size_t index = 0; index < parameters_.size(); ++index) {
-    const auto& parameter = parameters_[index];
-    if (!parameter.requires_grad) continue;
-    const int64_t flag_column = flags_offset + trainable_index++;
-    if (!has_gradient[index]) continue;
-    reduce_scatter_input.select(1, flag_column).fill_(1);
-    auto flat = unsharded_gradients[index].reshape({-1});
-    const auto& layout = parameter.layout;
-    for (int64_t rank = 0; rank < shard_size; ++rank) {
-      const auto owned = owned_rows(layout.rows, layout.rows_per_shard, rank);
-      const int64_t owned_numel = owned.count * layout.row_numel;
-      if (owned_numel == 0) continue;
-      reduce_scatter_input.select(0, rank)
-          .narrow(0, parameter.reduce_offset, owned_numel)
-          .copy_(flat.narrow(0, owned.first * layout.row_numel, owned_numel));
-    }
-  }
+  reduce_scatter_copy_in(parameters_, unsharded_gradients, flags_offset, reduce_scatter_input);
   if (pre_divide != 1.0) reduce_scatter_input.div_(pre_divide);
   PendingReduction pending;
   pending.post_divide = post_divide;
@@ -464,14 +416,12 @@ void ParamGroup::finish_reduction() {
   const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
   auto any_rank_had_gradient = reduce_scatter_output.narrow(0, flags_offset, trainable_count_).gt(0);
   gradient_flags_ = gradient_flags_.defined() ? gradient_flags_.logical_or(any_rank_had_gradient) : any_rank_had_gradient;
+  auto sharded_gradients = reduce_scatter_copy_out(parameters_, reduce_scatter_output);
   int64_t trainable_index = 0;
   for (auto& parameter : parameters_) {
     if (!parameter.requires_grad) continue;
-    const auto had_gradient = any_rank_had_gradient.narrow(0, trainable_index++, 1);
-    // An own tensor, not a view of the reduce buffer: optimizers detach_() and zero_() gradients.
-    auto sharded_gradient = reduce_scatter_output.narrow(0, parameter.reduce_offset, parameter.layout.numel_owned)
-                                .view(parameter.layout.sharded_sizes)
-                                .to(parameter.original_dtype, /*non_blocking=*/false, /*copy=*/true);
+    const auto had_gradient = any_rank_had_gradient.narrow(0, trainable_index, 1);
+    auto& sharded_gradient = sharded_gradients[trainable_index++];
     auto& stashed = parameter.stashed_sharded_gradient;
     if (!stashed.defined()) {
       stashed = sharded_gradient;

@@ -31,6 +31,8 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/shard_layout.h>
 
+#include "engine/fsdp_param.h"
+
 namespace fsdp::detail {
 
 /// Where a unit's parameters currently point.
@@ -39,40 +41,6 @@ enum class ShardedState {
   kSharded,
   /// Parameters are views of the full tensors in the unsharded buffer.
   kUnsharded,
-};
-
-/// One parameter managed by a unit (FSDP2's FSDPParam).
-struct ShardedParameter {
-  /// Name relative to the unit's first module, e.g. "fc1.weight".
-  std::string name;
-  /// The registered parameter. Its identity never changes; its data is set to one of the views below.
-  at::Tensor parameter;
-  c10::ScalarType original_dtype = c10::kFloat;
-  /// dtype of the unsharded parameter (the mixed-precision param_dtype for floating parameters).
-  c10::ScalarType compute_dtype = c10::kFloat;
-  bool requires_grad = false;
-  ShardLayout layout;
-  /// This rank's rows, zero-padded to layout.numel_padded_shard, original dtype (1-D, own storage).
-  at::Tensor sharded_padded;
-  /// The unpadded view of sharded_padded with layout.sharded_sizes: the parameter's data at rest.
-  at::Tensor sharded_data;
-  /// The full tensor, a view into the unit's unsharded buffer.
-  at::Tensor unsharded_data;
-  /// Byte offset of this parameter's padded shard in one rank's all-gather row.
-  int64_t all_gather_offset_bytes = 0;
-  /// Byte offset of this parameter's region (N padded shards) in the unsharded buffer.
-  int64_t unsharded_offset_bytes = 0;
-  /// Element offset of this parameter's padded shard in one reduce-scatter row (trainable only).
-  int64_t reduce_offset = 0;
-
-  /// Per-iteration state.
-  at::Tensor stashed_sharded_gradient;
-  bool gradient_stashed = false;
-  /// Whether the parameter had a (sharded) gradient when the iteration began: if no rank produces
-  /// one during it, that is what it is left with (Note [gradient flags]).
-  bool had_gradient_before_iteration = false;
-  /// Gradients summed over micro-steps while gradient sync is off, in the reduce dtype, full shape.
-  at::Tensor unsharded_accumulated_gradient;
 };
 
 /// Where a unit is in the training iteration (FSDP2's TrainingState). Transitions, each checked:
@@ -127,14 +95,14 @@ struct PendingUnshard {
 class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  public:
   ParamGroup(std::vector<std::shared_ptr<torch::nn::Module>> modules, const DistributedContext& context,
-             const FullyShardOptions& options, std::vector<ShardedParameter> parameters);
+             const FullyShardOptions& options, std::vector<FSDPParam> parameters);
 
   /// Builds the unit: shards every parameter in place (each rank keeps only its rows).
   void initialize();
 
   const std::vector<std::weak_ptr<torch::nn::Module>>& modules() const { return modules_; }
-  std::vector<ShardedParameter>& parameters() { return parameters_; }
-  const std::vector<ShardedParameter>& parameters() const { return parameters_; }
+  std::vector<FSDPParam>& parameters() { return parameters_; }
+  const std::vector<FSDPParam>& parameters() const { return parameters_; }
   const FullyShardOptions& options() const { return options_; }
   const DistributedContext& context() const { return context_; }
   /// The group that shards (size 1 for NO_SHARD) and the group that replicates (absent unless
@@ -226,12 +194,13 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
  private:
   /// Which parameters take part in gradient reduction (those that require grad now) and where.
   void refresh_trainable_parameters();
-  void reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients, const std::vector<bool>& has_gradient);
+  /// Issues the reduction of `unsharded_gradients` (one per parameter, undefined where none).
+  void reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients);
 
   std::vector<std::weak_ptr<torch::nn::Module>> modules_;
   DistributedContext context_;
   FullyShardOptions options_;
-  std::vector<ShardedParameter> parameters_;
+  std::vector<FSDPParam> parameters_;
   std::optional<ProcessGroup> shard_group_;
   std::optional<ProcessGroup> replicate_group_;
   /// True when unsharding changes nothing (one shard, no dtype cast): parameters keep their data.

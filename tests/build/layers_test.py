@@ -43,6 +43,10 @@ PRIVATE_AREAS = {"engine"}
 # FSDPParamGroup): the unit's files include neither the root state nor the registry of trees.
 UNIT_FILES = {"src/engine/param_group.h", "src/engine/param_group.cpp"}
 ABOVE_THE_UNIT = {"engine/module_state.h", "engine/registry.h"}
+# Below the unit, FSDP2's FSDPParam and the copy-in/copy-out around collectives know no unit at all.
+PARAMETER_FILES = {"src/engine/fsdp_param.h", "src/engine/fsdp_param.cpp", "src/engine/fsdp_collectives.h",
+                   "src/engine/fsdp_collectives.cpp"}
+ABOVE_THE_PARAMETER = ABOVE_THE_UNIT | {"engine/param_group.h"}
 
 INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.MULTILINE)
 
@@ -88,6 +92,9 @@ def main(root):
                 problems.append(f"{path.relative_to(root)} ({own}) includes {target} ({layer}), a layer above it")
             elif str(path.relative_to(root)) in UNIT_FILES and target in ABOVE_THE_UNIT:
                 problems.append(f"{path.relative_to(root)} includes {target}: the unit must not call its root state")
+            elif str(path.relative_to(root)) in PARAMETER_FILES and target in ABOVE_THE_PARAMETER:
+                problems.append(f"{path.relative_to(root)} includes {target}: a parameter and its copy-in/copy-out "
+                                "must not know their unit")
             elif quote == '"' and target.split("/")[0] in PRIVATE_AREAS and path.parent.name != target.split("/")[0]:
                 problems.append(f"{path.relative_to(root)} includes {target}, a private header of src/"
                                 f"{target.split('/')[0]}; use the area's public header instead")
