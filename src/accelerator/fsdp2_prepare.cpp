@@ -153,6 +153,9 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
   // them aside (the parameters become shards); the other ranks drop theirs before sharding and get
   // their rows from rank 0 one tensor at a time.
   const bool efficient_loading = plugin.cpu_ram_efficient_loading && context.world_size() > 1;
+  // The load from rank 0 below is the sync: broadcasting every value at fully_shard too (version 1
+  // forces sync_module_states on with efficient loading, as Accelerate does) would move them twice.
+  if (efficient_loading) options.sync_module_states = false;
   TensorList original_state;
   if (efficient_loading) {
     if (context.rank() == 0) {

@@ -186,9 +186,10 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
           buffer.set_data(buffer.to(*options.mixed_precision.buffer_dtype));
         }
         if (options.sync_module_states && context.world_size() > 1) {
-          TORCH_CHECK(buffer.is_contiguous(), detail::on_rank(context), "fully_shard(sync_module_states): buffer '", prefix + item.key(),
-                      "' is not contiguous; make it contiguous (buffer = buffer.contiguous()) before sharding");
-          broadcast(context.world(), buffer, 0);
+          // The same broadcast on every rank whatever its layout (see ParamGroup::initialize).
+          auto received = buffer.contiguous();
+          broadcast(context.world(), received, 0);
+          if (!received.is_same(buffer)) buffer.copy_(received);
         }
       }
     }

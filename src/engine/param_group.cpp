@@ -7,6 +7,7 @@
 
 #include <fsdp/collectives.h>
 
+#include "dist/control_channel.h"
 #include "engine/fsdp_collectives.h"
 #include "memory/buffer_pool.h"
 
@@ -105,12 +106,35 @@ void ParamGroup::initialize() {
   at::NoGradGuard no_grad;
 
   if (options_.sync_module_states && world.size() > 1) {
+    // Rank 0's values are the truth (FSDP1's sync_module_states). Every rank must issue the same
+    // broadcasts, so nothing here may depend on what this rank holds: a parameter whose storage was
+    // released (cpu_ram_efficient_loading on ranks other than 0) receives into a fresh tensor, and a
+    // non-contiguous one through a contiguous copy. Only rank 0 must hold every value, which it says
+    // on the control channel before any broadcast.
+    std::string missing_on_source;
+    if (context_.rank() == 0) {
+      for (const auto& parameter : parameters_) {
+        const auto& data = parameter.parameter;
+        if (data.numel() > 0 && data.storage().nbytes() == 0) {
+          missing_on_source = "parameter '" + parameter.name + "' of " + description() +
+                              " holds no values on rank 0, the source of sync_module_states. Materialize the "
+                              "model on rank 0 (it is the one whose weights every rank receives)";
+          break;
+        }
+      }
+    }
+    missing_on_source = broadcast_string(context_, missing_on_source, 0);
+    TORCH_CHECK(missing_on_source.empty(), on_rank(), "fully_shard(sync_module_states): ", missing_on_source);
     for (auto& parameter : parameters_) {
       auto data = parameter.parameter.detach();
-      if (data.numel() > 0 && data.storage().nbytes() == 0) continue;  // released: nothing to sync
-      TORCH_CHECK(data.is_contiguous(), on_rank(), "fully_shard(sync_module_states): parameter '", parameter.name,
-                  "' is not contiguous; call .contiguous() on it first");
-      broadcast(world, data, 0);
+      const bool released = data.numel() > 0 && data.storage().nbytes() == 0;
+      auto received = released ? at::empty(data.sizes(), data.options()) : data.contiguous();
+      broadcast(world, received, 0);
+      if (released) {
+        parameter.parameter.set_data(received);
+      } else if (!received.is_same(data)) {
+        data.copy_(received);
+      }
     }
   }
 

@@ -149,8 +149,27 @@ TEST(Fsdp2PrepareModel, MixedPrecisionUpcastsTrainableParametersToFp32) {
 // fp16 on CPU, as Accelerate runs it there: no GradScaler (Accelerate makes one on GPUs only).
 TEST(Fsdp2PrepareModel, Fp16MixedPrecisionRunsOnCpu) { expect_prepare_upcasts_to_fp32("fp16", torch::kHalf); }
 
-TEST(Fsdp2PrepareModel, CpuRamEfficientLoadingTakesRankZerosWeights) {
-  testing::run_on_ranks(3, [](const DistributedContext& context) {
+// cpu_ram_efficient_loading and sync_module_states: every rank ends with rank 0's weights, under
+// both versions and on 2 and 3 ranks. Version 1 with efficient loading once aborted rank 1 in Gloo
+// (`op.preamble.length <= op.nbytes`): the sync skipped parameters whose storage was released, so
+// the ranks issued different broadcasts.
+struct LoadingCase {
+  int64_t version;
+  int ranks;
+  bool efficient_loading;
+  bool sync_module_states;
+};
+
+// A stable test name for ctest (CMake appends the printed parameter).
+void PrintTo(const LoadingCase& value, std::ostream* out) {
+  *out << "version " << value.version << ", " << value.ranks << " ranks";
+}
+
+class RankZerosWeights : public ::testing::TestWithParam<LoadingCase> {};
+
+TEST_P(RankZerosWeights, EveryRankEndsWithRankZerosWeights) {
+  const auto parameters = GetParam();
+  testing::run_on_ranks(parameters.ranks, [parameters](const DistributedContext& context) {
     torch::manual_seed(41);
     testing::TinyTransformer rank_zero_model;
     const auto expected = testing::named_copies(*rank_zero_model);
@@ -158,9 +177,10 @@ TEST(Fsdp2PrepareModel, CpuRamEfficientLoadingTakesRankZerosWeights) {
     torch::manual_seed(context.rank() == 0 ? 41 : 100 + context.rank());
     testing::TinyTransformer model;
     FullyShardedDataParallelPluginArgs args;
-    args.fsdp_version = int64_t{2};
+    args.fsdp_version = parameters.version;
     args.auto_wrap_policy = std::string("transformer_based_wrap");
-    args.cpu_ram_efficient_loading = std::string("true");
+    args.cpu_ram_efficient_loading = std::string(parameters.efficient_loading ? "true" : "false");
+    if (parameters.version == 1) args.sync_module_states = std::string(parameters.sync_module_states ? "true" : "false");
     AcceleratorOptions options;
     options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
     Accelerator accelerator(context, options, EnvironmentMap{});
@@ -170,6 +190,18 @@ TEST(Fsdp2PrepareModel, CpuRamEfficientLoadingTakesRankZerosWeights) {
     for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
   });
 }
+
+INSTANTIATE_TEST_SUITE_P(
+    Loading, RankZerosWeights,
+    ::testing::Values(LoadingCase{2, 3, true, false}, LoadingCase{2, 2, true, false}, LoadingCase{1, 2, true, true},
+                      LoadingCase{1, 3, true, true}, LoadingCase{1, 2, false, true}, LoadingCase{1, 3, false, true}),
+    [](const ::testing::TestParamInfo<LoadingCase>& info) {
+      std::string name = "V";
+      name += std::to_string(info.param.version) + "_" + std::to_string(info.param.ranks) + "ranks";
+      if (info.param.efficient_loading) name += "_EfficientLoading";
+      if (info.param.sync_module_states) name += "_SyncModuleStates";
+      return name;
+    });
 
 TEST(AcceleratorPrepare, RejectsAnOptimizerThatSteppedOrHoldsForeignParameters) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});

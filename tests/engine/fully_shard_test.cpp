@@ -599,3 +599,42 @@ TEST(FullyShard, EachUnitWalksTheTrainingStatesOfAnIteration) {
 
 }  // namespace
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// sync_module_states makes rank 0's values every rank's, whatever the others hold: here rank 2's
+// parameters have no memory at all (as after release_parameter_storage on a rank that is not 0) and
+// rank 1's hold other values. Every rank issues the same broadcasts, so nothing aborts in Gloo.
+TEST(FullyShard, SyncModuleStatesGivesEveryRankRankZerosValuesEvenWithoutStorage) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    torch::manual_seed(7);
+    testing::TinyTransformer reference;
+    const auto expected = named_copies(*reference);
+    torch::manual_seed(context.rank() == 0 ? 7 : 70 + context.rank());
+    testing::TinyTransformer model;
+    if (context.rank() == 2) release_parameter_storage(*model);
+    FullyShardOptions options;
+    options.sync_module_states = true;
+    for (auto& layer : model->layers) fully_shard(layer.ptr(), context, options);
+    fully_shard(model.ptr(), context, options);
+    const auto actual = full_parameters(*model);
+    for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+  });
+}
+
+TEST(FullyShard, SyncModuleStatesWithoutValuesOnRankZeroIsAnErrorOnEveryRank) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    testing::TinyTransformer model;
+    if (context.rank() == 0) release_parameter_storage(*model);
+    FullyShardOptions options;
+    options.sync_module_states = true;
+    const auto message = testing::error_message_of([&] { fully_shard(model->layers[0].ptr(), context, options); });
+    EXPECT_EQ(message.rfind("[rank " + std::to_string(context.rank()) + "] fully_shard(sync_module_states): parameter '", 0), 0u)
+        << message;
+    EXPECT_NE(message.find("holds no values on rank 0, the source of sync_module_states"), std::string::npos) << message;
+  });
+}
+
+}  // namespace
+}  // namespace fsdp
