@@ -155,7 +155,8 @@ int main(int argc, char** argv) {
     if (!single) {
       fsdp::FullyShardOptions options;
       options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
-      options.implicit_prefetch = prefetch == "on";
+      options.forward_prefetch = prefetch == "on";
+      if (prefetch != "on") options.backward_prefetch.reset();
       for (auto& unit : units) fsdp::fully_shard(unit, context, options);
       fsdp::fully_shard(model, context, options);
     }

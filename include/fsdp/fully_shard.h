@@ -64,14 +64,23 @@ struct FullyShardOptions {
   /// Broadcast every managed parameter and buffer from rank 0 before sharding, so ranks that
   /// initialized differently start identical (FSDP1's sync_module_states). Default: false.
   bool sync_module_states = false;
-  /// Overlap each unit's all-gather with the compute before it: in forward the unit that ran next in
-  /// the previous forward, in backward the unit before it in forward order (FSDP2's default backward
-  /// prefetch), is all-gathered while the current one computes. FSDP2 gets the same overlap on CUDA
-  /// from its streams; on CPU it must be issued explicitly. Costs one more unit's unsharded
-  /// parameters at peak. The root's setting applies to its whole tree; explicit lists from
-  /// FSDPModule::set_modules_to_forward_prefetch / _backward_prefetch replace it for their unit.
-  /// Default: true.
-  bool implicit_prefetch = true;
+  /// Forward prefetch: while a unit computes its forward, the unit that ran after it in the previous
+  /// forward is all-gathered (FSDP1's forward_prefetch; FSDP2 gets the same overlap on CUDA from its
+  /// streams, and on CPU it must be issued explicitly: Note [prefetch]). Costs one more unit's
+  /// unsharded parameters at peak. The root's setting applies to its whole tree; explicit lists from
+  /// FSDPModule::set_modules_to_forward_prefetch replace it for their unit. Default: true (FSDP2).
+  bool forward_prefetch = true;
+  /// Backward prefetch of the unit before this one in forward order (FSDP2's default target):
+  /// kBackwardPre issues it before this unit's gradient computation, kBackwardPost after it and
+  /// before this unit's reduce-scatter, unset not at all (FSDP1's NO_PREFETCH). Explicit lists from
+  /// FSDPModule::set_modules_to_backward_prefetch replace the target, at the same moment (before
+  /// the gradients when unset). The root's setting applies to its whole tree. Default: kBackwardPre
+  /// (FSDP2's implicit prefetch).
+  std::optional<BackwardPrefetch> backward_prefetch = BackwardPrefetch::kBackwardPre;
+  /// At most this many all-gathers in flight in one tree (FSDP1's limit_all_gathers rate limiter,
+  /// which allows two): a prefetch that would exceed it is not issued, and its unit is all-gathered
+  /// when it runs. Unset: no limit (FSDP2). Default: unset. Must be at least 1.
+  std::optional<int64_t> max_all_gathers_in_flight;
 };
 
 /// Throws c10::Error naming the field when the options cannot work.

@@ -38,14 +38,6 @@ class Module;
 
 namespace fsdp {
 
-/// torch.distributed.fsdp.BackwardPrefetch. "NO_PREFETCH" is represented by an empty optional.
-enum class BackwardPrefetch {
-  /// Prefetch the next unit's parameters before the current unit's gradient computation.
-  kBackwardPre = 1,
-  /// Prefetch after the current unit's gradient computation.
-  kBackwardPost = 2,
-};
-
 enum class AutoWrapKind {
   /// Only the root is a unit.
   kNoWrap,
@@ -171,6 +163,13 @@ struct FullyShardedDataParallelPlugin {
   bool state_dict_config_explicit = false;
   bool optim_state_dict_config_explicit = false;
 };
+
+/// The FSDP_* variables the plugin reads (Accelerate's names), in field order.
+const std::vector<std::string>& plugin_environment_variables();
+/// FSDP_* variables read by the rest of fsdp.cpp rather than the plugin: FSDP_COLLECTIVE_TIMEOUT
+/// (the collective timeout) and the build and test scripts' settings. Any other FSDP_* variable
+/// is a warning when a plugin is resolved.
+const std::vector<std::string>& tool_environment_variables();
 
 /// Resolves `args` against `environment`. `environment_origins` may describe where an environment
 /// variable came from (e.g. "fsdp_config.fsdp_state_dict_type in accelerate.yaml"), for errors and

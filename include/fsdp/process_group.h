@@ -52,6 +52,12 @@ class ProcessGroup {
   /// Bytes sent by this rank on this group so far.
   CollectiveByteCounters bytes_sent() const;
   void reset_bytes_sent() const;
+  /// Starts recording (afresh) the collectives this rank issues on this group, for tests and
+  /// debugging: one entry per collective in issue order, "<kind> <bytes>" with this rank's input
+  /// bytes ("all_gather 160", "reduce_scatter 640", "all_reduce 8", "broadcast 4", "barrier 0").
+  void start_trace() const;
+  /// What was recorded since start_trace(); recording stops.
+  std::vector<std::string> stop_trace() const;
 
   explicit operator bool() const { return state_ != nullptr; }
   detail::ProcessGroupState& state() const;

@@ -27,6 +27,15 @@ enum class ShardingStrategy {
 /// torch's name: "FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD", "HYBRID_SHARD_ZERO2".
 const char* to_string(ShardingStrategy strategy);
 
+/// torch.distributed.fsdp.BackwardPrefetch: when, in backward, the next unit's all-gather is issued.
+/// "NO_PREFETCH" is represented by an empty optional.
+enum class BackwardPrefetch {
+  /// Before the current unit's gradient computation (its pre-backward), so the two overlap.
+  kBackwardPre = 1,
+  /// After the current unit's gradient computation, before its reduce-scatter.
+  kBackwardPost = 2,
+};
+
 /// FULL_SHARD and HYBRID_SHARD free unsharded parameters after forward; the others keep them.
 bool reshards_after_forward(ShardingStrategy strategy);
 

@@ -67,7 +67,8 @@ std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const 
 }
 
 // Accelerate's fsdp2_apply_ac (spec §3.7): the children of every module the wrap policy selects are
-// checkpointed, e.g. self_attn, mlp and the norms of each decoder layer, not the layer itself.
+// checkpointed, e.g. self_attn, mlp and the norms of each decoder layer, not the layer itself. Under
+// fsdp_version=1 the selected modules themselves are, as FSDP1 does (spec §3.3 step 6).
 void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& plugin,
                                           const std::shared_ptr<torch::nn::Module>& model) {
   auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model);
@@ -75,6 +76,14 @@ void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& 
               "the auto-wrap policy selects, but auto_wrap_policy is ", to_string(plugin.auto_wrap_policy),
               ". Set fsdp_auto_wrap_policy to TRANSFORMER_BASED_WRAP (or SIZE_BASED_WRAP), or mark modules yourself "
               "with fsdp::checkpoint_module (Accelerate fails here with a TypeError, its issue #3822)");
+  if (plugin.fsdp_version == 1) {
+    // FSDP1's apply_activation_checkpointing(auto_wrap_policy=...): the modules the policy selects
+    // themselves (the decoder layers), which are also its units.
+    for (const auto& [name, module] : modules_to_wrap(model, *policy)) {
+      if (module != model) checkpoint_module(module);
+    }
+    return;
+  }
   auto order = module_children_bottom_up(model);
   std::unordered_map<std::string, std::shared_ptr<torch::nn::Module>> by_name;
   for (const auto& [name, module] : order) by_name[name] = module;
@@ -123,6 +132,14 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
   if (plugin.mixed_precision_policy) options.mixed_precision = *plugin.mixed_precision_policy;
   options.offload = plugin.cpu_offload;
   options.sync_module_states = plugin.sync_module_states;
+  if (plugin.fsdp_version == 1) {
+    // FSDP1's prefetch options as it defines them; version 2 keeps FSDP2's implicit prefetch (the
+    // defaults of FullyShardOptions).
+    options.forward_prefetch = plugin.forward_prefetch;
+    options.backward_prefetch = plugin.backward_prefetch;
+    // FSDP1's rate limiter lets two all-gathers be in flight.
+    if (plugin.limit_all_gathers) options.max_all_gathers_in_flight = 2;
+  }
   return options;
 }
 
@@ -131,6 +148,9 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
   TORCH_CHECK(model, "fsdp2_prepare_model: the model is null");
   if (is_fsdp_module(*model)) return model;
   const auto& plugin = accelerator.fsdp_plugin();
+  TORCH_CHECK(!plugin.param_init_fn, "fsdp2_prepare_model: param_init_fn is set, but this build does not call it: "
+              "meta-device initialization is not implemented yet. Build the model materialized on CPU (rank 0's "
+              "weights reach every rank with cpu_ram_efficient_loading) and leave param_init_fn unset");
   if (plugin.activation_checkpointing) fsdp2_apply_activation_checkpointing(plugin, model);
   for (const auto& item : model->named_parameters()) {
     TORCH_CHECK(!item.value().is_meta(), "fsdp2_prepare_model: parameter '", item.key(),

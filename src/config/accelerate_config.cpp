@@ -281,6 +281,16 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   set_from("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states", std::string("true"), true);
   set_from("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing", std::string("false"), true);
   set_from("FSDP_IGNORED_MODULES", "fsdp_ignored_modules", std::nullopt, false);
+  if (version == "2") {
+    // Accelerate's launcher exports these for every version; version 2 does not read them, so only a
+    // value the user chose goes to the processes (the plugin warns about it there).
+    for (const char* variable : {"FSDP_FORWARD_PREFETCH", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES"}) {
+      if (result.origins[variable] == "launcher default") {
+        result.variables.erase(variable);
+        result.origins.erase(variable);
+      }
+    }
+  }
   if (mixed_precision_flag) set("ACCELERATE_MIXED_PRECISION", detail::to_lower(*mixed_precision_flag), "--mixed-precision flag");
   else if (config && config->mixed_precision) set("ACCELERATE_MIXED_PRECISION", *config->mixed_precision, "mixed_precision in " + config->path);
 

@@ -2,6 +2,8 @@
 // step by step, with the deliberate fixes listed in include/fsdp/plugin.h.
 #include <fsdp/plugin.h>
 
+#include <fsdp/accelerate_config.h>
+
 #include "config/text.h"
 
 #include <c10/util/Exception.h>
@@ -159,6 +161,8 @@ class Resolver {
     resolve_mixed_precision();
     resolve_param_init_fn();
     validate_combinations();
+    warn_about_unread_variables();
+    warn_about_values_without_effect();
   }
 
  private:
@@ -491,7 +495,10 @@ class Resolver {
                                    VersionOneBool{"sync_module_states", args_.sync_module_states, "FSDP_SYNC_MODULE_STATES",
                                                   plugin_.sync_module_states}}) {
       if (plugin_.fsdp_version == 1) {
-        setting.target = parse_bool_setting(setting.field, setting.argument, setting.variable, false);
+        // fsdp.cpp always trains the original parameters (no flat parameters), so use_orig_params
+        // resolves to true unless set, and false is a warning (warn_about_values_without_effect).
+        const bool fallback = std::string(setting.field) == "use_orig_params";
+        setting.target = parse_bool_setting(setting.field, setting.argument, setting.variable, fallback);
       } else {
         setting.target = false;
         source(setting.field, "default (not used by FSDP version 2)");
@@ -626,6 +633,83 @@ class Resolver {
 
   void warn(const std::string& text) { plugin_.warnings.push_back(text); }
 
+  // Values that the engine cannot act on in this build are named, so `fsdp config show` never shows
+  // a setting that then changes nothing. (This build computes on CPU: offloading to CPU is what
+  // already happens. The GPU build acts on these.)
+  void warn_about_values_without_effect() {
+    const auto& sources = plugin_.sources;
+    auto origin_of = [&](const char* field) {
+      auto found = sources.find(field);
+      return found == sources.end() ? std::string("default") : found->second;
+    };
+    if (plugin_.cpu_offload.offload_params) {
+      warn("cpu_offload=true (from " + origin_of("cpu_offload") +
+           ") has no effect in this CPU build: sharded parameters, gradients and the optimizer step are in host "
+           "memory already.");
+    }
+    if (plugin_.state_dict_config_explicit) {
+      warn("state_dict_config.offload_to_cpu (from argument) has no effect in this CPU build: state dicts are in "
+           "host memory either way. Its rank0_only is honored.");
+    }
+    if (plugin_.optim_state_dict_config_explicit) {
+      warn("optim_state_dict_config.offload_to_cpu (from argument) has no effect in this CPU build: state dicts "
+           "are in host memory either way. Its rank0_only is honored.");
+    }
+    if (plugin_.fsdp_version == 1 && !plugin_.use_orig_params) {
+      warn("use_orig_params=false (from " + origin_of("use_orig_params") +
+           ") is not implemented: fsdp.cpp always trains the original parameters (FSDP1's use_orig_params=true); "
+           "the optimizer and state dicts see them, never a flat parameter.");
+    }
+    if (plugin_.fsdp_version == 2 && args_.limit_all_gathers) {
+      warn("limit_all_gathers (from argument) is not used by FSDP version 2, which bounds its all-gathers by "
+           "itself; ignoring the value given.");
+    }
+  }
+
+  // Nothing set is dropped without a word: an FSDP_* variable nobody reads (a typo) and, under
+  // version 2, a version-1 variable that asks for what version 2 does not do (Accelerate drops both
+  // silently). A value the launcher filled in by default (origin "launcher default") is not the
+  // user's request and is not reported.
+  void warn_about_unread_variables() {
+    const auto& read = plugin_environment_variables();
+    for (const auto& [name, value] : environment_) {
+      if (name.rfind("FSDP_", 0) != 0 || std::find(read.begin(), read.end(), name) != read.end()) continue;
+      const auto& tools = tool_environment_variables();
+      if (std::find(tools.begin(), tools.end(), name) != tools.end()) continue;
+      std::vector<std::string> candidates(read.begin(), read.end());
+      candidates.insert(candidates.end(), tools.begin(), tools.end());
+      const auto suggestion = did_you_mean(name, candidates);
+      warn("environment variable " + name + "='" + value + "' is not a setting fsdp.cpp reads" +
+           (suggestion.empty() ? std::string() : "; did you mean " + suggestion + "?") + " It is ignored.");
+    }
+    if (plugin_.fsdp_version != 2) return;
+    struct Unread {
+      const char* variable;
+      bool version_two_value;  // what version 2 does anyway: no warning for this value
+      const char* why;
+      bool given_as_argument;
+    };
+    const Unread unread[] = {
+        {"FSDP_FORWARD_PREFETCH", false, "version 2 prefetches the next unit's all-gather by itself",
+         args_.forward_prefetch.has_value()},
+        {"FSDP_USE_ORIG_PARAMS", true, "version 2 always trains the original parameters", args_.use_orig_params.has_value()},
+        {"FSDP_SYNC_MODULE_STATES", false,
+         "version 2 does not broadcast rank 0's weights; use cpu_ram_efficient_loading for that",
+         args_.sync_module_states.has_value()},
+    };
+    for (const auto& entry : unread) {
+      auto found = environment_value(entry.variable);
+      if (!found || entry.given_as_argument) continue;
+      if (auto described = origins_.find(entry.variable); described != origins_.end() && described->second == "launcher default") {
+        continue;
+      }
+      const auto truth = truth_value(found->value);
+      if (truth && *truth == entry.version_two_value) continue;
+      warn(std::string(entry.variable) + "='" + found->value + "' (from " + found->origin +
+           ") is not read by FSDP version 2: " + entry.why + ". It is ignored.");
+    }
+  }
+
   const FullyShardedDataParallelPluginArgs& args_;
   const EnvironmentMap& environment_;
   const std::map<std::string, std::string>& origins_;
@@ -669,6 +753,22 @@ c10::ScalarType mixed_precision_dtype(const std::string& name, const std::string
   if (key == "fp16") return c10::kHalf;
   if (key == "fp32") return c10::kFloat;
   TORCH_CHECK(false, what, ": '", name, "' is not a mixed precision; expected one of fp8, fp16, bf16, fp32.");
+}
+
+const std::vector<std::string>& plugin_environment_variables() {
+  static const std::vector<std::string> variables = {
+      "FSDP_VERSION", "FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS",
+      "FSDP_BACKWARD_PREFETCH", "FSDP_STATE_DICT_TYPE", "FSDP_AUTO_WRAP_POLICY", "FSDP_TRANSFORMER_CLS_TO_WRAP",
+      "FSDP_MIN_NUM_PARAMS", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES", "FSDP_FORWARD_PREFETCH",
+      "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING", "FSDP_IGNORED_MODULES"};
+  return variables;
+}
+
+const std::vector<std::string>& tool_environment_variables() {
+  static const std::vector<std::string> variables = {
+      "FSDP_COLLECTIVE_TIMEOUT", "FSDP_BUILD_DIR", "FSDP_BUILD_JOBS", "FSDP_PYTHON",  "FSDP_TEST_JOBS",
+      "FSDP_TEST_PYTHON",        "FSDP_TORCH_PREFIX", "FSDP_VENV"};
+  return variables;
 }
 
 FullyShardedDataParallelPlugin::FullyShardedDataParallelPlugin() {

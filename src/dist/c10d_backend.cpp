@@ -319,6 +319,7 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
   TORCH_CHECK(output.numel() == input.numel() * group.size, "[rank ", group.global_rank, "] all_gather on group '",
               group.name, "': output has ", output.numel(), " elements but expected ", group.size, " ranks x ",
               input.numel(), " = ", input.numel() * group.size, "; pad shards to equal size.");
+  group.record("all_gather", input.numel() * input.element_size());
   if (group.size == 1) {
     if (!output.is_same(input)) output.reshape({-1}).copy_(input.reshape({-1}));
     return completed_work();
@@ -354,6 +355,7 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
               output.numel(), " = ", output.numel() * group.size, "; pad the input to a multiple of the group size.");
   check_divide_factor(group, "pre_divide_factor", options.pre_divide_factor, input);
   check_divide_factor(group, "post_divide_factor", options.post_divide_factor, input);
+  group.record("reduce_scatter", input.numel() * input.element_size());
   const int64_t shard_numel = output.numel();
   if (shard_numel == 0) return completed_work();
 
@@ -396,6 +398,7 @@ void reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const a
 CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tensor& tensor, ReduceOp op) {
   auto& group = group_handle.state();
   check_buffer(group, "all_reduce", "input", tensor);
+  group.record("all_reduce", tensor.numel() * tensor.element_size());
   if (group.size == 1 || tensor.numel() == 0) return completed_work();
   const int64_t bytes = tensor.numel() * tensor.element_size();
   if (gloo_reduces_natively(tensor.scalar_type())) {
@@ -435,6 +438,7 @@ CollectiveWork broadcast_async(const ProcessGroup& group_handle, const at::Tenso
   check_buffer(group, "broadcast", "input", tensor);
   TORCH_CHECK(root >= 0 && root < group.size, "[rank ", group.global_rank, "] broadcast on group '", group.name,
               "': root ", root, " is outside [0, ", group.size, ").");
+  group.record("broadcast", tensor.numel() * tensor.element_size());
   if (group.size == 1 || tensor.numel() == 0) return completed_work();
   std::vector<at::Tensor> tensors{as_bytes(tensor)};
   c10d::BroadcastOptions options;
@@ -450,6 +454,7 @@ void broadcast(const ProcessGroup& group, const at::Tensor& tensor, int64_t root
 
 void barrier(const ProcessGroup& group_handle) {
   auto& group = group_handle.state();
+  group.record("barrier", 0);
   if (group.size == 1) return;
   auto work = gloo(group).barrier();
   pending_work(group, std::move(work), "[rank " + std::to_string(group.global_rank) + "] barrier on group '" +

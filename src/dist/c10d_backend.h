@@ -5,6 +5,7 @@
 #include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,15 @@ struct ProcessGroupState {
   std::atomic<int64_t> bytes_reduce_scatter{0};
   std::atomic<int64_t> bytes_all_reduce{0};
   std::atomic<int64_t> bytes_broadcast{0};
+
+  // ProcessGroup::start_trace / stop_trace.
+  std::mutex trace_mutex;
+  bool tracing = false;
+  std::vector<std::string> trace;
+  void record(const char* kind, int64_t bytes) {
+    std::lock_guard<std::mutex> lock(trace_mutex);
+    if (tracing) trace.push_back(std::string(kind) + " " + std::to_string(bytes));
+  }
 };
 
 struct RendezvousState {

@@ -40,6 +40,20 @@ void ProcessGroup::reset_bytes_sent() const {
   group.bytes_broadcast = 0;
 }
 
+void ProcessGroup::start_trace() const {
+  auto& group = state();
+  std::lock_guard<std::mutex> lock(group.trace_mutex);
+  group.trace.clear();
+  group.tracing = true;
+}
+
+std::vector<std::string> ProcessGroup::stop_trace() const {
+  auto& group = state();
+  std::lock_guard<std::mutex> lock(group.trace_mutex);
+  group.tracing = false;
+  return std::move(group.trace);
+}
+
 NodeLayout plan_node_layout(const std::vector<RankReport>& reports) {
   TORCH_CHECK(!reports.empty(), "plan_node_layout: no rank reported its layout.");
   NodeLayout layout;

@@ -42,6 +42,9 @@ void validate(const FullyShardOptions& options) {
     TORCH_CHECK(options.ignored_parameters[index].defined(), "FullyShardOptions.ignored_parameters[", index,
                 "] is an undefined tensor; pass the module's parameter tensors");
   }
+  TORCH_CHECK(!options.max_all_gathers_in_flight || *options.max_all_gathers_in_flight >= 1,
+              "FullyShardOptions.max_all_gathers_in_flight must be at least 1 (a unit's own all-gather), got ",
+              *options.max_all_gathers_in_flight, "; leave it unset for no limit");
 }
 
 FSDPModule::FSDPModule(std::shared_ptr<detail::ParamGroup> group) : group_(std::move(group)) {

@@ -85,12 +85,30 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::forward_prefetch_targets(Par
   }
   const size_t position = forward_order_.size();
   forward_order_.push_back(&group);
-  if (group.forward_prefetch()) return lock_all(*group.forward_prefetch());
-  if (!root_->options().implicit_prefetch) return {};
+  if (group.forward_prefetch()) return within_all_gather_limit(group, lock_all(*group.forward_prefetch()));
+  if (!root_->options().forward_prefetch) return {};
   if (position + 1 >= previous_forward_order_.size() || previous_forward_order_[position] != &group) return {};
   ParamGroup* next = previous_forward_order_[position + 1];
   if (next == &group) return {};
-  return {next->shared_from_this()};
+  return within_all_gather_limit(group, {next->shared_from_this()});
+}
+
+std::vector<std::shared_ptr<ParamGroup>> RootState::within_all_gather_limit(
+    const ParamGroup& group, std::vector<std::shared_ptr<ParamGroup>> targets) const {
+  const auto& limit = root_->options().max_all_gathers_in_flight;
+  if (!limit) return targets;
+  // FSDP1's rate limiter, without blocking: what is in flight now, plus `group`'s own all-gather
+  // (issued first), plus each target that needs one, may not exceed the limit.
+  int64_t in_flight = group.needs_all_gather() ? 1 : 0;
+  for (const auto& member : groups_) in_flight += member->has_unshard_in_flight() ? 1 : 0;
+  std::vector<std::shared_ptr<ParamGroup>> kept;
+  for (auto& target : targets) {
+    if (!target->needs_all_gather()) continue;  // nothing to issue
+    if (in_flight >= *limit) break;
+    ++in_flight;
+    kept.push_back(std::move(target));
+  }
+  return kept;
 }
 
 std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(ParamGroup& group) {
@@ -98,11 +116,15 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(Pa
   const bool has_index = !indices.empty();
   const size_t index = has_index ? indices.back() : 0;
   if (has_index) indices.pop_back();
-  if (group.backward_prefetch()) return lock_all(*group.backward_prefetch());
-  if (!root_->options().implicit_prefetch || !has_index || index == 0) return {};
+  if (group.backward_prefetch()) return within_all_gather_limit(group, lock_all(*group.backward_prefetch()));
+  if (!root_->options().backward_prefetch || !has_index || index == 0) return {};
   ParamGroup* previous = post_forward_order_[index - 1];
   if (previous == &group) return {};
-  return {previous->shared_from_this()};
+  return within_all_gather_limit(group, {previous->shared_from_this()});
+}
+
+bool RootState::prefetches_after_gradients() const {
+  return root_->options().backward_prefetch == BackwardPrefetch::kBackwardPost;
 }
 
 void RootState::on_backward_hook() {
@@ -116,15 +138,21 @@ void RootState::on_backward_hook() {
 
 void RootState::pre_backward(ParamGroup& group) {
   on_backward_hook();
-  group.pre_backward(group.backward_prefetch_pending() ? backward_prefetch_targets(group)
-                                                       : std::vector<std::shared_ptr<ParamGroup>>{});
+  // BACKWARD_POST prefetches from post_backward instead, once the unit's gradients exist.
+  const bool prefetch_now = group.backward_prefetch_pending() && !prefetches_after_gradients();
+  group.pre_backward(prefetch_now ? backward_prefetch_targets(group) : std::vector<std::shared_ptr<ParamGroup>>{});
 }
 
 void RootState::on_input_gradient(ParamGroup& group) {
-  if (group.on_input_gradient()) post_backward(group);
+  if (group.on_input_gradient()) post_backward(group, /*prefetch=*/true);
 }
 
-void RootState::post_backward(ParamGroup& group) {
+void RootState::post_backward(ParamGroup& group, bool prefetch) {
+  if (prefetch && prefetches_after_gradients()) {
+    // BACKWARD_POST: the next unit's all-gather goes out after this unit's gradients are computed
+    // and before its reduce-scatter, as FSDP1 orders them.
+    for (const auto& target : backward_prefetch_targets(group)) target->unshard(/*async_op=*/true);
+  }
   group.post_backward();
   if (group.has_reduction_in_flight()) track_reduction(group.shared_from_this());
 }
@@ -132,11 +160,12 @@ void RootState::post_backward(ParamGroup& group) {
 void RootState::finish_backward() {
   final_callback_queued_ = false;
   // A fixed order on every rank: reverse forward order, then the units nobody forwarded.
+  // No prefetch from here: backward is over, nothing would use the parameters.
   for (auto it = post_forward_order_.rbegin(); it != post_forward_order_.rend(); ++it) {
-    if ((*it)->needs_post_backward()) post_backward(**it);
+    if ((*it)->needs_post_backward()) post_backward(**it, /*prefetch=*/false);
   }
   for (auto it = groups_.rbegin(); it != groups_.rend(); ++it) {
-    if ((*it)->needs_post_backward()) post_backward(**it);
+    if ((*it)->needs_post_backward()) post_backward(**it, /*prefetch=*/false);
   }
   finish_reductions();
   end_iteration();

@@ -61,8 +61,9 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void pre_backward(ParamGroup& group);
   /// The backward of one of `group`'s wrapped inputs ran; when it was the last, `group` reduces.
   void on_input_gradient(ParamGroup& group);
-  /// Reduces `group` and tracks its reduction in flight.
-  void post_backward(ParamGroup& group);
+  /// Reduces `group` and tracks its reduction in flight; with `prefetch` and BACKWARD_POST, first
+  /// issues the all-gather of the unit whose backward comes next.
+  void post_backward(ParamGroup& group, bool prefetch);
   /// Called by every pre-backward hook: starts the iteration if a second backward reuses a graph and
   /// queues the end-of-backward callback once.
   void on_backward_hook();
@@ -74,6 +75,11 @@ class RootState : public std::enable_shared_from_this<RootState> {
   void track_reduction(std::shared_ptr<ParamGroup> group);
   /// Finishes reductions in flight, oldest first, until at most `keep_in_flight` remain.
   void finish_reductions(size_t keep_in_flight = 0);
+  /// `targets` cut to what max_all_gathers_in_flight allows while `group` gathers too.
+  std::vector<std::shared_ptr<ParamGroup>> within_all_gather_limit(const ParamGroup& group,
+                                                                   std::vector<std::shared_ptr<ParamGroup>> targets) const;
+  /// Whether backward prefetch waits for the unit's gradients (BACKWARD_POST).
+  bool prefetches_after_gradients() const;
 
  private:
   std::shared_ptr<ParamGroup> root_;

@@ -172,6 +172,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// still be in flight when it returns (see the note above), which the caller then tracks.
   void post_backward();
   bool has_reduction_in_flight() const { return reduction_in_flight_.has_value(); }
+  bool has_unshard_in_flight() const { return unshard_in_flight_.has_value(); }
+  /// Whether unshard() would issue an all-gather now (sharded, none in flight, more than one shard).
+  bool needs_all_gather() const {
+    return sharded_state_ == ShardedState::kSharded && !unshard_in_flight_ && !unshard_is_identity_ &&
+           shard_world_size() > 1;
+  }
   /// Waits for this unit's reduction in flight, if any, and adds its result to the sharded gradients.
   void finish_reduction();
   /// Whether the end-of-backward callback must still reduce this unit: it was used since its last

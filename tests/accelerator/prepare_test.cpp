@@ -17,9 +17,9 @@ using testing::tensors_close;
 using testing::unique_parameters;
 
 Accelerator make_accelerator(const DistributedContext& context, const std::string& auto_wrap = "transformer_based_wrap",
-                             const std::string& mixed_precision = "no") {
+                             const std::string& mixed_precision = "no", int64_t version = 2) {
   FullyShardedDataParallelPluginArgs args;
-  args.fsdp_version = int64_t{2};
+  args.fsdp_version = version;
   args.auto_wrap_policy = auto_wrap;
   AcceleratorOptions options;
   options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
@@ -33,12 +33,13 @@ std::vector<std::string> unit_names(torch::nn::Module& model) {
   return names;
 }
 
-void train_prepared_and_compare(const DistributedContext& context, bool tied, bool activation_checkpointing = false) {
+void train_prepared_and_compare(const DistributedContext& context, bool tied, bool activation_checkpointing = false,
+                                int64_t version = 2) {
   torch::manual_seed(21);
   testing::TinyTransformer reference(tied);
   torch::manual_seed(21);
   testing::TinyTransformer model(tied);
-  auto accelerator = make_accelerator(context);
+  auto accelerator = make_accelerator(context, "transformer_based_wrap", "no", version);
   accelerator.fsdp_plugin().activation_checkpointing = activation_checkpointing;
   torch::optim::AdamW optimizer(unique_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   torch::optim::AdamW reference_optimizer(unique_parameters(*reference), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
@@ -57,10 +58,11 @@ void train_prepared_and_compare(const DistributedContext& context, bool tied, bo
     EXPECT_TRUE(is_fsdp_module(*model->lm_head));
   }
   EXPECT_EQ(model->lm_head->weight.unsafeGetTensorImpl() == model->embed_tokens->weight.unsafeGetTensorImpl(), tied);
-  // Accelerate's fsdp2_apply_ac: the children of each block the policy selects, not the block.
+  // Accelerate's fsdp2_apply_ac: the children of each block the policy selects, not the block;
+  // FSDP1's apply_activation_checkpointing: the block itself.
   for (const auto& layer : model->layers) {
-    EXPECT_FALSE(is_checkpointed(*layer));
-    for (const auto& child : layer->children()) EXPECT_EQ(is_checkpointed(*child), activation_checkpointing);
+    EXPECT_EQ(is_checkpointed(*layer), activation_checkpointing && version == 1);
+    for (const auto& child : layer->children()) EXPECT_EQ(is_checkpointed(*child), activation_checkpointing && version == 2);
   }
   EXPECT_FALSE(is_checkpointed(*model->embed_tokens));
   // The optimizer steps the model's own (sharded) parameters.
@@ -120,6 +122,10 @@ TEST(Fsdp2PrepareModel, UntiedModelTrainsLikeSingleProcessOnThreeRanks) {
 
 TEST(Fsdp2PrepareModel, ActivationCheckpointingOfBlockChildrenTrainsLikeSingleProcess) {
   testing::run_on_ranks(2, [](const DistributedContext& context) { train_prepared_and_compare(context, true, true); });
+}
+
+TEST(Fsdp2PrepareModel, VersionOneCheckpointsTheBlocksThemselvesAndTrainsLikeSingleProcess) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) { train_prepared_and_compare(context, true, true, 1); });
 }
 
 void expect_prepare_upcasts_to_fp32(const std::string& mixed_precision, c10::ScalarType dtype) {
@@ -241,6 +247,12 @@ TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
                          "selects, but auto_wrap_policy is NO_WRAP"),
             std::string::npos)
       << message;
+  // param_init_fn is stored by the plugin but nothing calls it yet: prepare says so.
+  accelerator.fsdp_plugin().activation_checkpointing = false;
+  accelerator.fsdp_plugin().param_init_fn = [](torch::nn::Module&) {};
+  message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+  EXPECT_NE(message.find("param_init_fn is set, but this build does not call it"), std::string::npos) << message;
+  EXPECT_FALSE(is_fsdp_module(*model)) << "a refused prepare shards nothing";
   message = testing::error_message_of([&] {
     AcceleratorOptions options;
     options.mixed_precision = "fp8";

@@ -127,9 +127,29 @@ TEST(AccelerateConfig, ToFsdp2MatchesAccelerate) {
   auto converted = parse_accelerate_config(conversion.yaml, "out.yaml");
   EXPECT_EQ(converted.fsdp_config.at("fsdp_version"), "2");
   EXPECT_EQ(converted.fsdp_config.at("fsdp_reshard_after_forward"), "false");
-  auto plugin = resolve_plugin({}, fsdp_launch_environment(&converted, {}, false, std::nullopt).variables);
+  const auto exported = fsdp_launch_environment(&converted, {}, false, std::nullopt);
+  auto plugin = resolve_plugin({}, exported.variables);
   EXPECT_EQ(plugin.fsdp_version, 2);
   EXPECT_FALSE(plugin.reshard_after_forward);
+  // Version 1's settings that the launcher would fill in by default are not exported for version 2,
+  // so a plain version-2 launch is free of warnings about variables nobody set.
+  for (const char* variable : {"FSDP_FORWARD_PREFETCH", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES"}) {
+    EXPECT_EQ(exported.variables.count(variable), 0u) << variable;
+  }
+  EXPECT_TRUE(plugin.warnings.empty()) << plugin.warnings.front();
+}
+
+TEST(AccelerateConfig, VersionTwoExportsTheVersionOneSettingsAUserChose) {
+  auto config = parse_accelerate_config(
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_forward_prefetch: true\n", "v2.yaml");
+  const auto exported = fsdp_launch_environment(&config, {}, false, std::nullopt);
+  EXPECT_EQ(exported.variables.at("FSDP_FORWARD_PREFETCH"), "true");
+  const auto plugin = resolve_plugin({}, exported.variables, exported.origins);
+  ASSERT_EQ(plugin.warnings.size(), 1u);
+  EXPECT_NE(plugin.warnings[0].find("FSDP_FORWARD_PREFETCH='true' (from environment variable FSDP_FORWARD_PREFETCH set "
+                                    "from fsdp_config.fsdp_forward_prefetch in v2.yaml) is not read by FSDP version 2"),
+            std::string::npos)
+      << plugin.warnings[0];
 }
 
 TEST(AccelerateConfig, ToFsdp2StrategyMappingAndEdgeCases) {

@@ -172,7 +172,10 @@ std::vector<ResolveCase> resolve_cases() {
       {}, [](const Plugin& p) { EXPECT_EQ(p.auto_wrap_policy, AutoWrapKind::kCallable); EXPECT_TRUE(p.auto_wrap_callable); });
   // version-1 booleans
   add("V1BoolsDefault", none, {}, [](const Plugin& p) {
-    EXPECT_FALSE(p.use_orig_params);
+    // Accelerate's plugin default is false; fsdp.cpp has no flat parameters, so its default says
+    // what it does (docs/plugin.md), and false is a warning.
+    EXPECT_TRUE(p.use_orig_params);
+    EXPECT_TRUE(p.warnings.empty());
     EXPECT_FALSE(p.sync_module_states);
     EXPECT_FALSE(p.forward_prefetch);
     EXPECT_TRUE(p.limit_all_gathers);
@@ -192,14 +195,67 @@ std::vector<ResolveCase> resolve_cases() {
         EXPECT_FALSE(p.sync_module_states);
         EXPECT_EQ(p.warnings.size(), 2u);
       });
-  add("V2IgnoresVersionOneVariables", none, {{"FSDP_VERSION", "2"}, {"FSDP_SYNC_MODULE_STATES", "true"}},
-      [](const Plugin& p) { EXPECT_FALSE(p.sync_module_states); EXPECT_TRUE(p.warnings.empty()); });
+  // Accelerate drops these silently under version 2; we say so, naming the variable.
+  add("V2WarnsAboutVersionOneVariablesItDoesNotRead", none,
+      {{"FSDP_VERSION", "2"}, {"FSDP_SYNC_MODULE_STATES", "true"}, {"FSDP_FORWARD_PREFETCH", "true"},
+       {"FSDP_USE_ORIG_PARAMS", "false"}},
+      [](const Plugin& p) {
+        EXPECT_FALSE(p.sync_module_states);
+        EXPECT_FALSE(p.forward_prefetch);
+        ASSERT_EQ(p.warnings.size(), 3u);
+        EXPECT_NE(p.warnings[0].find("FSDP_FORWARD_PREFETCH='true' (from environment variable FSDP_FORWARD_PREFETCH) is "
+                                     "not read by FSDP version 2"),
+                  std::string::npos)
+            << p.warnings[0];
+        EXPECT_NE(p.warnings[1].find("FSDP_USE_ORIG_PARAMS='false'"), std::string::npos) << p.warnings[1];
+        EXPECT_NE(p.warnings[2].find("FSDP_SYNC_MODULE_STATES='true'"), std::string::npos) << p.warnings[2];
+      });
+  add("V2IsQuietAboutValuesItHonorsAnyway", none,
+      {{"FSDP_VERSION", "2"}, {"FSDP_SYNC_MODULE_STATES", "false"}, {"FSDP_FORWARD_PREFETCH", "false"},
+       {"FSDP_USE_ORIG_PARAMS", "true"}},
+      [](const Plugin& p) { EXPECT_TRUE(p.warnings.empty()) << p.warnings.front(); });
+  add("UnknownFsdpVariableIsAWarningWithTheClosestName", none,
+      {{"FSDP_SHARDING_STRATEGIE", "NO_SHARD"}, {"FSDP_COLLECTIVE_TIMEOUT", "30"}, {"FSDPX", "1"}},
+      [](const Plugin& p) {
+        EXPECT_EQ(p.sharding_strategy, ShardingStrategy::kFullShard);
+        ASSERT_EQ(p.warnings.size(), 1u);
+        EXPECT_NE(p.warnings[0].find("environment variable FSDP_SHARDING_STRATEGIE='NO_SHARD' is not a setting fsdp.cpp "
+                                     "reads; did you mean FSDP_SHARDING_STRATEGY? It is ignored."),
+                  std::string::npos)
+            << p.warnings[0];
+      });
   add("RamEfficientLoadingForcesSync", none, {{"FSDP_CPU_RAM_EFFICIENT_LOADING", "1"}}, [](const Plugin& p) {
     EXPECT_TRUE(p.cpu_ram_efficient_loading);
     EXPECT_TRUE(p.sync_module_states);
     EXPECT_EQ(p.sources.at("sync_module_states"), "derived from cpu_ram_efficient_loading");
     EXPECT_EQ(p.warnings.size(), 1u);
   });
+  add("V1UseOrigParamsFalseAndCpuOffloadAreNamedWarnings", none,
+      {{"FSDP_USE_ORIG_PARAMS", "false"}, {"FSDP_OFFLOAD_PARAMS", "true"}}, [](const Plugin& p) {
+        EXPECT_FALSE(p.use_orig_params);
+        ASSERT_EQ(p.warnings.size(), 2u);
+        EXPECT_NE(p.warnings[0].find("cpu_offload=true (from environment variable FSDP_OFFLOAD_PARAMS) has no effect in "
+                                     "this CPU build"),
+                  std::string::npos)
+            << p.warnings[0];
+        EXPECT_NE(p.warnings[1].find("use_orig_params=false (from environment variable FSDP_USE_ORIG_PARAMS) is not "
+                                     "implemented"),
+                  std::string::npos)
+            << p.warnings[1];
+      });
+  add("StateDictConfigOffloadIsANamedWarningAndV2LimitAllGathersToo",
+      [] {
+        Args a;
+        a.fsdp_version = int64_t{2};
+        a.state_dict_config = StateDictConfig{false, false};
+        a.limit_all_gathers = false;
+        return a;
+      },
+      {}, [](const Plugin& p) {
+        ASSERT_EQ(p.warnings.size(), 2u);
+        EXPECT_NE(p.warnings[0].find("state_dict_config.offload_to_cpu (from argument) has no effect"), std::string::npos);
+        EXPECT_NE(p.warnings[1].find("limit_all_gathers (from argument) is not used by FSDP version 2"), std::string::npos);
+      });
   add("UserParamInitFnKeptWithSync",  // Accelerate overwrites it (Q15)
       [] { Args a; a.sync_module_states = true; a.param_init_fn = ParamInitFn([](torch::nn::Module&) {}); return a; }, {},
       [](const Plugin& p) { EXPECT_EQ(p.sources.at("param_init_fn"), "argument"); });

@@ -8,6 +8,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "harness/error_message.h"
 #include "harness/parity.h"
 #include "harness/multi_rank.h"
 
@@ -95,7 +96,8 @@ TEST(Prefetch, NeighbouringUnitIsGatheredWhileTheCurrentOneComputes) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
-      options.implicit_prefetch = implicit_prefetch;
+      options.forward_prefetch = implicit_prefetch;
+      if (!implicit_prefetch) options.backward_prefetch.reset();
       auto units = shard_probe_stack(model, context, options);
       for (int step = 0; step < 2; ++step) {
         Observations seen;
@@ -141,6 +143,94 @@ TEST(Prefetch, ExplicitListsReplaceTheImplicitChoice) {
   });
 }
 
+// FSDP1's backward_prefetch, observed two ways: the order of all-gathers (G) and reduce-scatters (R)
+// on the wire during backward, and whether block 2 is already gathering while block 3 computes its
+// gradients. BACKWARD_PRE issues block 2's all-gather before block 3's gradients, BACKWARD_POST
+// after them (but still before block 3's reduce-scatter), NO_PREFETCH when block 2's backward starts.
+TEST(Prefetch, BackwardPrefetchModesIssueTheAllGatherWhereFsdp1Does) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    struct Mode {
+      std::optional<BackwardPrefetch> prefetch;
+      const char* name;
+      const char* wire;
+      bool gathered_during_gradients;
+    };
+    for (const Mode& mode : {Mode{BackwardPrefetch::kBackwardPre, "BACKWARD_PRE", "GGRGRGRRR", true},
+                             Mode{BackwardPrefetch::kBackwardPost, "BACKWARD_POST", "GGRGRGRRR", false},
+                             Mode{std::nullopt, "NO_PREFETCH", "GRGRGRGRR", false}}) {
+      torch::manual_seed(5);
+      ProbeStack model;
+      FullyShardOptions options;
+      options.forward_prefetch = false;
+      options.backward_prefetch = mode.prefetch;
+      auto units = shard_probe_stack(model, context, options);
+      bool gathered = !mode.gathered_during_gradients;
+      model->blocks[3]->on_backward = [&] { gathered = units[2].unsharded_buffer_bytes() > 0; };
+      auto [inputs, targets] = batch(0, context);
+      auto loss = torch::mse_loss(fsdp::forward(model, inputs), targets);
+      context.world().start_trace();
+      loss.backward();
+      std::string wire;
+      for (const auto& entry : context.world().stop_trace()) {
+        if (entry.rfind("all_gather", 0) == 0) wire += 'G';
+        if (entry.rfind("reduce_scatter", 0) == 0) wire += 'R';
+      }
+      EXPECT_EQ(wire, mode.wire) << mode.name;
+      EXPECT_EQ(gathered, mode.gathered_during_gradients) << mode.name;
+      for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0) << mode.name;
+    }
+  });
+}
+
+// forward_prefetch alone: off keeps forward from prefetching while backward still does.
+TEST(Prefetch, ForwardPrefetchIsItsOwnSwitch) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(5);
+    ProbeStack model;
+    FullyShardOptions options;
+    options.forward_prefetch = false;
+    auto units = shard_probe_stack(model, context, options);
+    for (int step = 0; step < 2; ++step) {
+      Observations seen;
+      install_probes(model, units, seen);
+      auto [inputs, targets] = batch(step, context);
+      torch::mse_loss(fsdp::forward(model, inputs), targets).backward();
+      for (size_t index = 0; index < 4; ++index) {
+        EXPECT_FALSE(seen.next_gathered_in_forward[index]) << "step " << step << ", block " << index;
+        EXPECT_EQ(seen.previous_gathered_in_backward[index], index > 0) << "step " << step << ", block " << index;
+      }
+    }
+  });
+}
+
+// limit_all_gathers (max_all_gathers_in_flight): block 0 asks to prefetch the three blocks after it;
+// with a limit of 2 only one of them may gather beside block 0's own all-gather.
+TEST(Prefetch, TheAllGatherLimitBoundsWhatIsInFlight) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    for (const std::optional<int64_t> limit : {std::optional<int64_t>(), std::optional<int64_t>(2), std::optional<int64_t>(3)}) {
+      torch::manual_seed(5);
+      ProbeStack model;
+      FullyShardOptions options;
+      options.max_all_gathers_in_flight = limit;
+      auto units = shard_probe_stack(model, context, options);
+      units[0].set_modules_to_forward_prefetch({units[1], units[2], units[3]});
+      int64_t gathered = 0;
+      model->blocks[0]->on_forward = [&] {
+        for (size_t index = 1; index < 4; ++index) gathered += units[index].unsharded_buffer_bytes() > 0 ? 1 : 0;
+      };
+      auto [inputs, targets] = batch(0, context);
+      torch::mse_loss(fsdp::forward(model, inputs), targets).backward();
+      const int64_t expected = limit ? *limit - 1 : 3;
+      EXPECT_EQ(gathered, expected) << "limit " << (limit ? std::to_string(*limit) : "none");
+      for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
+    }
+    FullyShardOptions bad;
+    bad.max_all_gathers_in_flight = 0;
+    const auto message = testing::error_message_of([&] { validate(bad); });
+    EXPECT_NE(message.find("max_all_gathers_in_flight must be at least 1"), std::string::npos) << message;
+  });
+}
+
 // Prefetch moves no numbers: with it on or off, and when a step skips a block (so the forward
 // prefetch gathers a unit that does not run), training is bit for bit the same.
 TEST(Prefetch, TrainingIsBitForBitTheSameWithAndWithoutPrefetch) {
@@ -150,7 +240,8 @@ TEST(Prefetch, TrainingIsBitForBitTheSameWithAndWithoutPrefetch) {
       torch::manual_seed(6);
       ProbeStack model;
       FullyShardOptions options;
-      options.implicit_prefetch = implicit_prefetch;
+      options.forward_prefetch = implicit_prefetch;
+      if (!implicit_prefetch) options.backward_prefetch.reset();
       shard_probe_stack(model, context, options);
       torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 4; ++step) {
