@@ -36,6 +36,10 @@ struct AcceleratorOptions {
   bool limit_retained_host_memory = false;
 };
 
+/// The checkpoint options the plugin describes: its state_dict_type and, for FULL saves, its
+/// state_dict_config and optim_state_dict_config. Accelerator::save_state uses them.
+CheckpointOptions checkpoint_options_from_plugin(const FullyShardedDataParallelPlugin& plugin);
+
 class Accelerator {
  public:
   explicit Accelerator(DistributedContext context, AcceleratorOptions options = {},

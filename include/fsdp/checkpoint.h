@@ -42,6 +42,11 @@ struct CheckpointOptions {
   /// FULL only: write the model as pytorch_model_fsdp.safetensors instead of the torch .bin.
   /// Default: false.
   bool full_model_safetensors = false;
+  /// FULL only: how the model's and the optimizer's full state dicts are gathered. With rank0_only
+  /// only rank 0 holds them while rank 0 writes the files; without it every rank does (more memory,
+  /// the same files). Default: Accelerate's FULL configs, {offload_to_cpu true, rank0_only true}.
+  StateDictConfig state_dict_config{true, true};
+  StateDictConfig optim_state_dict_config{true, true};
 };
 
 /// Saves into `directory` (created if needed). Collective.

@@ -96,11 +96,17 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   return model;
 }
 
+CheckpointOptions checkpoint_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {
+  CheckpointOptions options;
+  options.state_dict_type = plugin.state_dict_type;
+  options.state_dict_config = plugin.state_dict_config;
+  options.optim_state_dict_config = plugin.optim_state_dict_config;
+  return options;
+}
+
 void Accelerator::save_state(const std::string& directory, const TrainingProgress& progress) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::save_state: prepare(model, optimizer) first");
-  CheckpointOptions options;
-  options.state_dict_type = plugin_.state_dict_type;
-  save_checkpoint(directory, *model_, *optimizer_, context_, progress, options);
+  save_checkpoint(directory, *model_, *optimizer_, context_, progress, checkpoint_options_from_plugin(plugin_));
 }
 
 TrainingProgress Accelerator::load_state(const std::string& directory) {

@@ -132,10 +132,8 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
 
   switch (options.state_dict_type) {
     case StateDictType::kFullStateDict: {
-      // As Accelerate does: gather to rank 0 only when there are other ranks.
-      StateDictConfig config{true, context.world_size() > 1};
-      auto model_state = full_model_state_dict(model, config);
-      auto optimizer_state = full_optimizer_state_dict(model, optimizer, config);
+      auto model_state = full_model_state_dict(model, options.state_dict_config);
+      auto optimizer_state = full_optimizer_state_dict(model, optimizer, options.optim_state_dict_config);
       model_file = options.full_model_safetensors ? kFullModelSafetensors : kFullModelBin;
       on_every_rank(context, [&] {
         if (!main) return;
