@@ -14,6 +14,8 @@
 #include <string>
 #include <vector>
 
+#include <fsdp/process_group.h>
+
 namespace fsdp {
 
 struct MergeOptions {
@@ -37,11 +39,18 @@ struct MergeResult {
   int64_t bytes = 0;
 };
 
-/// The seed's signature.
+/// The seed's signature. In a process that is not rank 0 of a distributed launch (RANK and
+/// WORLD_SIZE say so) it is an error: every rank would write the same files. Pass the context
+/// (below) for Accelerate's behavior, or call it on the main process only.
 MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
                                bool safe_serialization = true, bool remove_checkpoint_dir = false);
 MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
                                const MergeOptions& options);
+/// As Accelerate does under a distributed launch: the main process merges while the others wait; a
+/// failure there is raised on every rank, naming rank 0; every rank returns rank 0's result. The
+/// merge may take long: the others wait up to the context's collective timeout. Collective.
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               const MergeOptions& options, const DistributedContext& context);
 
 /// "5GB", "500MB", "1.5GB", "64KB", "1000" (bytes); decimal units as Hugging Face uses them, and
 /// KiB/MiB/GiB. Throws naming the text otherwise.

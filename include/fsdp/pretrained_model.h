@@ -29,6 +29,12 @@ class PretrainedModel {
   /// Makes the output embedding share the input embedding's weight again (tie_weights). Default:
   /// nothing.
   virtual void tie_weights() {}
+  /// Buffers that are not part of the state dict, as torch's register_buffer(persistent=False)
+  /// makes them (libtorch's register_buffer has no such flag): a rotary embedding's `inv_freq`, for
+  /// instance, which Hugging Face checkpoints do not hold. Each entry names a buffer by its full name
+  /// in the model or by its last components ("inv_freq" matches "layers.0.rotary.inv_freq"). State
+  /// dicts neither save nor require them; they keep the values the model computed. Default: none.
+  virtual std::vector<std::string> non_persistent_buffers() const { return {}; }
 };
 
 }  // namespace fsdp

@@ -10,6 +10,7 @@
 
 #include <fsdp/collectives.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/pretrained_model.h>
 
 #include "checkpoint/agreement.h"
 #include "dist/control_channel.h"
@@ -62,7 +63,22 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
     tensors.push_back(std::move(entry));
   };
   for (const auto& item : model.named_parameters()) add(item.key(), item.value());
-  for (const auto& item : model.named_buffers()) add(item.key(), item.value());
+  // Buffers the model declares non-persistent are not state (torch's persistent=False).
+  std::vector<std::string> non_persistent;
+  if (const auto* pretrained = dynamic_cast<const PretrainedModel*>(&model)) non_persistent = pretrained->non_persistent_buffers();
+  auto is_persistent = [&](const std::string& name) {
+    for (const auto& entry : non_persistent) {
+      if (name == entry) return false;
+      if (name.size() > entry.size() && name.compare(name.size() - entry.size(), entry.size(), entry) == 0 &&
+          name[name.size() - entry.size() - 1] == '.') {
+        return false;
+      }
+    }
+    return true;
+  };
+  for (const auto& item : model.named_buffers()) {
+    if (is_persistent(item.key())) add(item.key(), item.value());
+  }
   return tensors;
 }
 

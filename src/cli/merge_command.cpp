@@ -1,7 +1,6 @@
 // `fsdp merge-weights`: a sharded checkpoint directory into one model file (accelerate merge-weights).
 #include "cli/commands.h"
 
-#include <fsdp/collectives.h>
 #include <fsdp/distributed_environment.h>
 #include <fsdp/merge.h>
 #include <fsdp/process_group.h>
@@ -83,14 +82,14 @@ Command add_merge_command(CLI::App& parent) {
       environment.timeout = std::chrono::hours(24);
       context = DistributedContext::initialize(environment);
     }
+    if (environment.rank == 0) options->progress = terminal_progress();
+    const auto result = context ? merge_fsdp_weights(*checkpoint_dir, *output_path, *options, *context)
+                                : merge_fsdp_weights(*checkpoint_dir, *output_path, *options);
     if (environment.rank == 0) {
-      options->progress = terminal_progress();
-      const auto result = merge_fsdp_weights(*checkpoint_dir, *output_path, *options);
       for (const auto& file : result.files) std::cout << file << "\n";
       std::cout << "merged " << result.tensors << " tensors, " << human_bytes(static_cast<double>(result.bytes))
                 << (options->remove_checkpoint_dir ? "; removed " + *checkpoint_dir : std::string()) << std::endl;
     }
-    if (context) barrier(context->control());
     return 0;
   };
   return command;

@@ -7,12 +7,15 @@
 #include <filesystem>
 #include <map>
 
+#include <fsdp/distributed_environment.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/torch_file.h>
 
+#include "checkpoint/agreement.h"
 #include "checkpoint/hf_shards.h"
+#include "dist/control_channel.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -128,7 +131,29 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
 }
 
 MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               const MergeOptions& options, const DistributedContext& context) {
+  MergeResult result;
+  // Rank 0 merges inside the agreement, so its failure is every rank's error and nobody waits forever.
+  detail::run_on_every_rank(context, [&] {
+    if (context.rank() == 0) result = merge_fsdp_weights(checkpoint_dir, output_path, options);
+  });
+  nlohmann::json summary;
+  if (context.rank() == 0) summary = {{"files", result.files}, {"tensors", result.tensors}, {"bytes", result.bytes}};
+  summary = nlohmann::json::parse(detail::broadcast_string(context, context.rank() == 0 ? summary.dump() : "", 0));
+  result.files = summary["files"].get<std::vector<std::string>>();
+  result.tensors = summary["tensors"].get<int64_t>();
+  result.bytes = summary["bytes"].get<int64_t>();
+  return result;
+}
+
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
                                const MergeOptions& options) {
+  const auto environment = parse_distributed_environment(current_process_environment());
+  TORCH_CHECK(environment.world_size == 1 || environment.rank == 0, "merge_fsdp_weights: called on rank ",
+              environment.rank, " of ", environment.world_size,
+              " without a DistributedContext, so this rank would write the same files as rank 0. Call it on the main "
+              "process only, or pass the context (merge_fsdp_weights(checkpoint_dir, output_path, options, context)): "
+              "rank 0 then merges and the others wait, as Accelerate does");
   check_input(checkpoint_dir);
   TORCH_CHECK(options.max_shard_size >= 0, "merge: max_shard_size must be positive (or 0 for one file), got ",
               options.max_shard_size);
@@ -265,10 +290,10 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
   result.bytes = total;
   for (const auto& name : names) result.files.push_back((fs::path(output_path) / name).string());
   if (options.remove_checkpoint_dir) {
+    // Only the directory given, as Accelerate does. The checkpoint's completion marker stays: the
+    // directory beside it (optimizer_0 after pytorch_model_fsdp_0) must still merge, and loading the
+    // whole checkpoint names the missing directory.
     fs::remove_all(checkpoint_dir);
-    // The checkpoint lost a part: it must no longer count as complete.
-    const auto marker = normalized(checkpoint_dir).parent_path() / "checkpoint_complete.json";
-    if (fs::exists(marker)) fs::remove(marker);
   }
   if (options.progress && total == 0) options.progress(0, 0);
   return result;

@@ -365,3 +365,55 @@ TEST(Checkpoint, FullModelFileIsReadableByPythonTorch) {
 
 }  // namespace
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// A rotary embedding's inv_freq, registered as torch registers it with persistent=False: Hugging Face
+// checkpoints do not hold it, so a state dict must neither save nor require it.
+struct RotaryImpl : torch::nn::Module {
+  RotaryImpl() : inv_freq(register_buffer("inv_freq", torch::arange(0, 4, 2).to(torch::kFloat).mul(-0.5).exp())) {}
+  torch::Tensor inv_freq;
+};
+TORCH_MODULE(Rotary);
+
+struct RotaryModelImpl : torch::nn::Module, PretrainedModel {
+  explicit RotaryModelImpl(bool declare) : declare(declare) {
+    proj = register_module("proj", torch::nn::Linear(4, 3));
+    rotary = register_module("rotary", Rotary());
+  }
+  std::vector<std::string> non_persistent_buffers() const override {
+    return declare ? std::vector<std::string>{"inv_freq"} : std::vector<std::string>{};
+  }
+  bool declare;
+  torch::nn::Linear proj{nullptr};
+  Rotary rotary{nullptr};
+};
+TORCH_MODULE(RotaryModel);
+
+TEST(StateDict, NonPersistentBuffersAreNeitherSavedNorRequired) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  torch::manual_seed(3);
+  RotaryModel model(true);
+  fully_shard(model.ptr(), context);
+  const auto saved = full_model_state_dict(*model, StateDictConfig{true, true});
+  std::vector<std::string> names;
+  for (const auto& [name, tensor] : saved) names.push_back(name);
+  EXPECT_EQ(names, (std::vector<std::string>{"proj.weight", "proj.bias"}));
+
+  // A checkpoint without inv_freq loads, and the buffer keeps the value the model computed.
+  const auto inv_freq = model->rotary->inv_freq.clone();
+  TensorList weights = {{"proj.weight", torch::ones({3, 4})}, {"proj.bias", torch::zeros({3})}};
+  load_model_state_dict(*model, TensorListSource(weights));
+  EXPECT_TRUE(torch::equal(full_model_state_dict(*model, StateDictConfig{true, true}).front().second, torch::ones({3, 4})));
+  EXPECT_TRUE(torch::equal(model->rotary->inv_freq, inv_freq));
+
+  // Undeclared, the buffer is state like any other, and its absence is named.
+  RotaryModel undeclared(false);
+  fully_shard(undeclared.ptr(), context);
+  const auto message = testing::error_message_of([&] { load_model_state_dict(*undeclared, TensorListSource(weights)); });
+  EXPECT_NE(message.find("rotary.inv_freq"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -196,6 +196,50 @@ TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
   EXPECT_TRUE(fs::exists(root + "/removed/model.safetensors"));
 }
 
+// Accelerate's merge_fsdp_weights under a distributed launch: every rank calls it, the main process
+// writes, the others wait; a failure on the main process is an error on every rank.
+TEST(Merge, EveryRankCallsItRankZeroWritesAndItsFailureIsEveryRanks) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2);
+  const std::string model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
+  testing::run_on_ranks(2, [root, model_dir](const DistributedContext& context) {
+    const auto result = merge_fsdp_weights(model_dir, root + "/merged", MergeOptions{}, context);
+    ASSERT_EQ(result.files, (std::vector<std::string>{root + "/merged/model.safetensors"}));
+    EXPECT_GT(result.tensors, 0);
+    EXPECT_TRUE(fs::exists(root + "/merged/model.safetensors"));
+    // The output exists now: rank 0 refuses to overwrite it, and every rank hears why.
+    auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/merged", MergeOptions{}, context); });
+    EXPECT_NE(message.find("already holds model.safetensors"), std::string::npos) << message;
+    if (context.rank() == 1) {
+      EXPECT_NE(message.find("rank 0 failed"), std::string::npos) << message;
+    }
+    // Without the context, a rank other than 0 would write the same files: an error there.
+    if (context.rank() == 1) {
+      message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/other", MergeOptions{}); });
+      EXPECT_NE(message.find("merge_fsdp_weights: called on rank 1 of 2 without a DistributedContext"), std::string::npos)
+          << message;
+      EXPECT_FALSE(fs::exists(root + "/other"));
+    }
+  });
+  if (testing::is_rank_process()) return;
+  expect_same_tensors(SafetensorsCheckpointSource(root + "/merged/model.safetensors"), root + "/full.safetensors");
+}
+
+// --remove-checkpoint-dir removes the directory given, as Accelerate does, and nothing beside it: the
+// optimizer directory of the same checkpoint still merges.
+TEST(Merge, RemovingTheModelDirectoryKeepsTheOptimizerMergeable) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2);
+  if (testing::is_rank_process()) return;
+  MergeOptions removing;
+  removing.remove_checkpoint_dir = true;
+  merge_fsdp_weights(root + "/checkpoint/pytorch_model_fsdp_0", root + "/model", removing);
+  EXPECT_FALSE(fs::exists(root + "/checkpoint/pytorch_model_fsdp_0"));
+  EXPECT_TRUE(fs::exists(root + "/checkpoint/checkpoint_complete.json"));
+  const auto result = merge_fsdp_weights(root + "/checkpoint/optimizer_0", root + "/optimizer", MergeOptions{});
+  EXPECT_GT(result.tensors, 0);
+}
+
 TEST(Merge, CommandLineMergesAndReportsErrors) {
   const auto root = testing::shared_temporary_directory();
   save_sharded_checkpoint(root, 2);
