@@ -90,26 +90,32 @@ void install_probes(ProbeStack& model, const std::vector<FSDPModule>& units, Obs
   }
 }
 
+// Both on (the default), both off, and forward_prefetch alone off: each switch acts on its own pass.
 TEST(Prefetch, NeighbouringUnitIsGatheredWhileTheCurrentOneComputes) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    for (const bool implicit_prefetch : {true, false}) {
+    struct Switches {
+      bool forward;
+      bool backward;
+    };
+    for (const Switches switches : {Switches{true, true}, Switches{false, false}, Switches{false, true}}) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
-      options.forward_prefetch = implicit_prefetch;
-      if (!implicit_prefetch) options.backward_prefetch.reset();
+      options.forward_prefetch = switches.forward;
+      if (!switches.backward) options.backward_prefetch.reset();
       auto units = shard_probe_stack(model, context, options);
       for (int step = 0; step < 2; ++step) {
         Observations seen;
         install_probes(model, units, seen);
         auto [inputs, targets] = batch(step, context);
         torch::mse_loss(fsdp::forward(model, inputs), targets).backward();
-        const std::string what = std::string(implicit_prefetch ? "prefetch on" : "prefetch off") + ", step " +
+        const std::string what = std::string("forward prefetch ") + (switches.forward ? "on" : "off") +
+                                 ", backward prefetch " + (switches.backward ? "on" : "off") + ", step " +
                                  std::to_string(step);
         for (size_t index = 0; index < 4; ++index) {
           // Forward prefetch follows the previous forward's order, so it starts at the second step.
-          const bool expect_forward = implicit_prefetch && step > 0 && index < 3;
-          const bool expect_backward = implicit_prefetch && index > 0;
+          const bool expect_forward = switches.forward && step > 0 && index < 3;
+          const bool expect_backward = switches.backward && index > 0;
           EXPECT_EQ(seen.next_gathered_in_forward[index], expect_forward) << what << ", forward of block " << index;
           EXPECT_EQ(seen.previous_gathered_in_backward[index], expect_backward)
               << what << ", backward of block " << index;
@@ -178,27 +184,6 @@ TEST(Prefetch, BackwardPrefetchModesIssueTheAllGatherWhereFsdp1Does) {
       EXPECT_EQ(wire, mode.wire) << mode.name;
       EXPECT_EQ(gathered, mode.gathered_during_gradients) << mode.name;
       for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0) << mode.name;
-    }
-  });
-}
-
-// forward_prefetch alone: off keeps forward from prefetching while backward still does.
-TEST(Prefetch, ForwardPrefetchIsItsOwnSwitch) {
-  testing::run_on_ranks(2, [](const DistributedContext& context) {
-    torch::manual_seed(5);
-    ProbeStack model;
-    FullyShardOptions options;
-    options.forward_prefetch = false;
-    auto units = shard_probe_stack(model, context, options);
-    for (int step = 0; step < 2; ++step) {
-      Observations seen;
-      install_probes(model, units, seen);
-      auto [inputs, targets] = batch(step, context);
-      torch::mse_loss(fsdp::forward(model, inputs), targets).backward();
-      for (size_t index = 0; index < 4; ++index) {
-        EXPECT_FALSE(seen.next_gathered_in_forward[index]) << "step " << step << ", block " << index;
-        EXPECT_EQ(seen.previous_gathered_in_backward[index], index > 0) << "step " << step << ", block " << index;
-      }
     }
   });
 }
