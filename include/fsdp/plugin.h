@@ -167,8 +167,8 @@ struct FullyShardedDataParallelPlugin {
 /// The FSDP_* variables the plugin reads (Accelerate's names), in field order.
 const std::vector<std::string>& plugin_environment_variables();
 /// FSDP_* variables read by the rest of fsdp.cpp rather than the plugin: FSDP_COLLECTIVE_TIMEOUT
-/// (the collective timeout) and the build and test scripts' settings. Any other FSDP_* variable
-/// is a warning when a plugin is resolved.
+/// (the collective timeout) and the build and test scripts' settings; FSDP_TEST_* names belong to
+/// the test suite too. Any other FSDP_* variable is a warning when a plugin is resolved.
 const std::vector<std::string>& tool_environment_variables();
 
 /// Resolves `args` against `environment`. `environment_origins` may describe where an environment

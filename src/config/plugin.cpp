@@ -676,6 +676,7 @@ class Resolver {
       if (name.rfind("FSDP_", 0) != 0 || std::find(read.begin(), read.end(), name) != read.end()) continue;
       const auto& tools = tool_environment_variables();
       if (std::find(tools.begin(), tools.end(), name) != tools.end()) continue;
+      if (name.rfind("FSDP_TEST_", 0) == 0) continue;  // the test suite's own (FSDP_TEST_HARNESS_RANK, ...)
       std::vector<std::string> candidates(read.begin(), read.end());
       candidates.insert(candidates.end(), tools.begin(), tools.end());
       const auto suggestion = did_you_mean(name, candidates);

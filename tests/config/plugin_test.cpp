@@ -215,7 +215,8 @@ std::vector<ResolveCase> resolve_cases() {
        {"FSDP_USE_ORIG_PARAMS", "true"}},
       [](const Plugin& p) { EXPECT_TRUE(p.warnings.empty()) << p.warnings.front(); });
   add("UnknownFsdpVariableIsAWarningWithTheClosestName", none,
-      {{"FSDP_SHARDING_STRATEGIE", "NO_SHARD"}, {"FSDP_COLLECTIVE_TIMEOUT", "30"}, {"FSDPX", "1"}},
+      {{"FSDP_SHARDING_STRATEGIE", "NO_SHARD"}, {"FSDP_COLLECTIVE_TIMEOUT", "30"}, {"FSDPX", "1"},
+       {"FSDP_TEST_HARNESS_RANK", "1"}},
       [](const Plugin& p) {
         EXPECT_EQ(p.sharding_strategy, ShardingStrategy::kFullShard);
         ASSERT_EQ(p.warnings.size(), 1u);
