@@ -50,9 +50,11 @@ class CollectiveWork {
   void wait();
   /// True once `wait()` has returned (or the collective needed no communication).
   bool completed() const;
-  /// Non-blocking: true once every transfer of the collective has finished (or failed), so that
-  /// nothing reads or writes its buffers any more. The output of a reduction is still only ready
-  /// after `wait()`, which does the local sum.
+  /// Non-blocking: true once every transfer of the collective is known to have finished (or
+  /// failed), so that nothing reads or writes its buffers any more. Gloo's point-to-point transfers,
+  /// which all-gather and reduce-scatter are made of, report completion only through their wait, so
+  /// for those it turns true once `wait()` has run; Gloo's own collectives (all-reduce, broadcast)
+  /// turn true as they finish. The output of a reduction is ready only after `wait()`.
   bool query() const;
 
  private:

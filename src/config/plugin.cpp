@@ -500,7 +500,9 @@ class Resolver {
         const bool fallback = std::string(setting.field) == "use_orig_params";
         setting.target = parse_bool_setting(setting.field, setting.argument, setting.variable, fallback);
       } else {
-        setting.target = false;
+        // Version 2 always trains the original parameters and never syncs at wrap time: the resolved
+        // values say so.
+        setting.target = std::string(setting.field) == "use_orig_params";
         source(setting.field, "default (not used by FSDP version 2)");
         if (setting.argument) {
           warn(std::string(setting.field) + " is not used by FSDP version 2 (" +

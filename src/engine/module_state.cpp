@@ -111,11 +111,15 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::within_all_gather_limit(
   return kept;
 }
 
-std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(ParamGroup& group) {
+std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(ParamGroup& group,
+                                                                              bool after_gradients) {
   auto& indices = group.post_forward_indices();
   const bool has_index = !indices.empty();
-  const size_t index = has_index ? indices.back() : 0;
-  if (has_index) indices.pop_back();
+  // Before the gradients, one call per use of the unit, latest forward first. After them, one call
+  // for all uses (its reduction waits for every use's backward), which ends at its earliest forward.
+  const size_t index = has_index ? (after_gradients ? indices.front() : indices.back()) : 0;
+  if (has_index && after_gradients) indices.clear();
+  if (has_index && !after_gradients) indices.pop_back();
   if (group.backward_prefetch()) return within_all_gather_limit(group, lock_all(*group.backward_prefetch()));
   if (!root_->options().backward_prefetch || !has_index || index == 0) return {};
   ParamGroup* previous = post_forward_order_[index - 1];
@@ -148,12 +152,11 @@ void RootState::on_input_gradient(ParamGroup& group) {
 }
 
 void RootState::post_backward(ParamGroup& group, bool prefetch) {
-  if (prefetch && prefetches_after_gradients()) {
-    // BACKWARD_POST: the next unit's all-gather goes out after this unit's gradients are computed
-    // and before its reduce-scatter, as FSDP1 orders them.
-    for (const auto& target : backward_prefetch_targets(group)) target->unshard(/*async_op=*/true);
-  }
-  group.post_backward();
+  // BACKWARD_POST: the next unit's all-gather goes out once this unit's gradients are computed and
+  // its parameters freed, before its reduce-scatter, as FSDP1 orders them.
+  group.post_backward(prefetch && prefetches_after_gradients()
+                          ? backward_prefetch_targets(group, /*after_gradients=*/true)
+                          : std::vector<std::shared_ptr<ParamGroup>>{});
   if (group.has_reduction_in_flight()) track_reduction(group.shared_from_this());
 }
 

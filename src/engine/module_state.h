@@ -27,6 +27,10 @@
 // order), and only then waits for its own. Collectives must be issued in the same order on every
 // rank; both choices depend only on the sequence of units run, which every rank shares anyway. A
 // mistargeted prefetch costs one all-gather and is resharded at the end of the iteration.
+// FSDP1's options change two things: BACKWARD_POST issues the backward target from the unit's
+// post-backward (after its gradients, once it is resharded, before its reduce-scatter) rather than
+// before its gradients, and max_all_gathers_in_flight (limit_all_gathers) drops a target that would
+// exceed the limit, so that unit is gathered when it runs.
 #pragma once
 
 #include <deque>
@@ -53,9 +57,11 @@ class RootState : public std::enable_shared_from_this<RootState> {
   /// prefetch) the unit that followed it in the previous forward, if this forward has run the same
   /// units so far. Records `group` in this forward's order.
   std::vector<std::shared_ptr<ParamGroup>> forward_prefetch_targets(ParamGroup& group);
-  /// Units to all-gather while `group` computes its backward: its explicit list, or else the unit
-  /// whose forward finished just before this one's (FSDP2's default backward prefetch).
-  std::vector<std::shared_ptr<ParamGroup>> backward_prefetch_targets(ParamGroup& group);
+  /// Units to all-gather for the backward after `group`'s: its explicit list, or else the unit whose
+  /// forward finished just before this one's (FSDP2's default backward prefetch), within the
+  /// all-gather limit. Issued while `group` computes its gradients, or with `after_gradients`
+  /// (BACKWARD_POST) once they are computed.
+  std::vector<std::shared_ptr<ParamGroup>> backward_prefetch_targets(ParamGroup& group, bool after_gradients = false);
   /// The hook on a unit's outputs: the iteration's bookkeeping (on_backward_hook), then the unit's
   /// all-gather and, the first time in this backward, its prefetch targets.
   void pre_backward(ParamGroup& group);

@@ -342,7 +342,7 @@ void ParamGroup::end_iteration(const bool* had_gradient, bool check) {
   TORCH_CHECK(!check || stray_gradient.empty(), on_rank(), stray_gradient, kCalledWithoutFsdpForward);
 }
 
-void ParamGroup::post_backward() {
+void ParamGroup::post_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets) {
   TORCH_INTERNAL_ASSERT(training_state_ != TrainingState::kIdle, description(),
                         ": its gradients were reduced outside a training iteration");
   training_state_ = TrainingState::kPostBackward;
@@ -361,6 +361,10 @@ void ParamGroup::post_backward() {
     parameter.parameter.mutable_grad() = at::Tensor();
     gradients[index] = gradient;
   }
+  // FSDP1's order: free this unit's parameters (the gradients are tensors of their own), then issue
+  // the next unit's all-gather, then this unit's reduction, so at most one unit is gathered here.
+  reshard();
+  for (const auto& target : prefetch_targets) target->unshard(/*async_op=*/true);
   if (!requires_gradient_sync_) {
     for (size_t index = 0; index < parameters_.size(); ++index) {
       if (!gradients[index].defined()) continue;
@@ -371,7 +375,6 @@ void ParamGroup::post_backward() {
         accumulated = gradients[index].to(*reduce_dtype_, /*non_blocking=*/false, /*copy=*/true);
       }
     }
-    reshard();
     return;
   }
   for (size_t index = 0; index < parameters_.size(); ++index) {
@@ -382,7 +385,6 @@ void ParamGroup::post_backward() {
     accumulated = at::Tensor();
   }
   reduce_gradients(gradients);
-  reshard();
 }
 
 void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradients) {
@@ -444,7 +446,8 @@ void ParamGroup::finish_reduction() {
   int64_t trainable_index = 0;
   for (auto& parameter : parameters_) {
     if (!parameter.requires_grad) continue;
-    const auto had_gradient = any_rank_had_gradient.narrow(0, trainable_index, 1);
+    // 0-dim, so that a scalar parameter's gradient keeps its shape through where().
+    const auto had_gradient = any_rank_had_gradient.select(0, trainable_index);
     auto& sharded_gradient = sharded_gradients[trainable_index++];
     auto& stashed = parameter.stashed_sharded_gradient;
     if (!stashed.defined()) {

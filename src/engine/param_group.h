@@ -168,9 +168,10 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// every wrapped input has reported: the unit's gradients are due for reduction (FSDP2's
   /// post-backward trigger).
   bool on_input_gradient();
-  /// Reduces the gradients (or accumulates them while sync is off) and reshards; the reduction may
-  /// still be in flight when it returns (see the note above), which the caller then tracks.
-  void post_backward();
+  /// Takes the gradients, reshards, issues the all-gathers of `prefetch_targets` (BACKWARD_POST),
+  /// then reduces the gradients (or accumulates them while sync is off); the reduction may still be
+  /// in flight when it returns (see the note above), which the caller then tracks.
+  void post_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets = {});
   bool has_reduction_in_flight() const { return reduction_in_flight_.has_value(); }
   bool has_unshard_in_flight() const { return unshard_in_flight_.has_value(); }
   /// Whether unshard() would issue an all-gather now (sharded, none in flight, more than one shard).

@@ -42,7 +42,10 @@ void return_pooled_bytes(const at::Tensor& tensor);
 /// pool keeps its memory in place (the tensor intact, so a transport holding it still reads valid
 /// bytes) and makes it a free block only once `is_complete()` returns true. take_pooled_block never
 /// hands out a block in use and never waits for one; it polls the blocks in use, and a block in use is
-/// never freed to make room. `is_complete` must be cheap and non-blocking (CollectiveWork::query).
+/// never freed to make room. `is_complete` must be cheap and non-blocking (CollectiveWork::query; on
+/// Gloo's point-to-point collectives it turns true when the unit waits for the collective, so on CPU
+/// the block comes back then; on CUDA an event's query answers earlier). A collective that failed
+/// and was never completed keeps its blocks out of the pool.
 void return_pooled_bytes_after(const at::Tensor& tensor, std::function<bool()> is_complete);
 
 /// Bytes of free blocks the pool holds now (for tests).

@@ -148,9 +148,20 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
 
 MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
                                const MergeOptions& options) {
-  const auto environment = parse_distributed_environment(current_process_environment());
-  TORCH_CHECK(environment.world_size == 1 || environment.rank == 0, "merge_fsdp_weights: called on rank ",
-              environment.rank, " of ", environment.world_size,
+  // Only RANK and WORLD_SIZE matter here: a local merge must not fail on unrelated variables.
+  const auto environment = current_process_environment();
+  auto integer_of = [&](const char* name) -> int64_t {
+    auto found = environment.find(name);
+    if (found == environment.end()) return -1;
+    try {
+      return std::stoll(found->second);
+    } catch (const std::exception&) {
+      return -1;
+    }
+  };
+  const int64_t rank = integer_of("RANK");
+  const int64_t world_size = integer_of("WORLD_SIZE");
+  TORCH_CHECK(world_size <= 1 || rank <= 0, "merge_fsdp_weights: called on rank ", rank, " of ", world_size,
               " without a DistributedContext, so this rank would write the same files as rank 0. Call it on the main "
               "process only, or pass the context (merge_fsdp_weights(checkpoint_dir, output_path, options, context)): "
               "rank 0 then merges and the others wait, as Accelerate does");

@@ -157,8 +157,10 @@ TEST(Fsdp2PrepareModel, Fp16MixedPrecisionRunsOnCpu) { expect_prepare_upcasts_to
 
 // cpu_ram_efficient_loading and sync_module_states: every rank ends with rank 0's weights, under
 // both versions and on 2 and 3 ranks. Version 1 with efficient loading once aborted rank 1 in Gloo
-// (`op.preamble.length <= op.nbytes`): the sync skipped parameters whose storage was released, so
-// the ranks issued different broadcasts.
+// (`op.preamble.length <= op.nbytes`): its forced sync skipped parameters whose storage was
+// released, so the ranks issued different broadcasts. Efficient loading now loads from rank 0
+// instead of syncing at fully_shard; the sync of released parameters itself is covered by
+// FullyShard.SyncModuleStatesGivesEveryRankRankZerosValuesEvenWithoutStorage.
 struct LoadingCase {
   int64_t version;
   int ranks;

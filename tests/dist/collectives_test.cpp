@@ -101,8 +101,8 @@ TEST_P(Collectives, InterleavedAsyncCollectivesKeepTheirOwnData) {
 }
 
 // query() is the event-like half of CollectiveWork (Note [a block returns after its last use]): it
-// must say "not done" while a peer has not sent yet, without blocking, and "done" after wait().
-TEST_P(Collectives, QueryDoesNotBlockAndSaysWhenTheTransportIsDone) {
+// must say "not done", without blocking, while a peer has not sent yet, and "done" after wait().
+TEST_P(Collectives, QueryIsFalseWithoutBlockingWhileAPeerHasNotSentAndTrueAfterWait) {
   testing::run_on_ranks(GetParam(), [](const DistributedContext& context) {
     const auto& world = context.world();
     const int64_t size = world.size();

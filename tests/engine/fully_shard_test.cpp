@@ -638,3 +638,52 @@ TEST(FullyShard, SyncModuleStatesWithoutValuesOnRankZeroIsAnErrorOnEveryRank) {
 
 }  // namespace
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// Gradients accumulate across backwards without zero_grad, as in single-process training, also for
+// a 0-dim parameter (its sharded gradient keeps shape [] on one shard).
+struct ScaledLinearImpl : torch::nn::Module {
+  ScaledLinearImpl() {
+    linear = register_module("linear", torch::nn::Linear(3, 2));
+    scale = register_parameter("scale", torch::tensor(1.5));
+  }
+  torch::Tensor forward(const torch::Tensor& input) { return linear->forward(input) * scale; }
+  torch::nn::Linear linear{nullptr};
+  torch::Tensor scale;
+};
+TORCH_MODULE(ScaledLinear);
+
+TEST(FullyShard, GradientsAccumulateAcrossBackwardsWithoutZeroGradScalarsIncluded) {
+  for (const int ranks : {1, 2}) {
+    testing::run_on_ranks(ranks, [](const DistributedContext& context) {
+      torch::manual_seed(4);
+      ScaledLinear reference;
+      torch::manual_seed(4);
+      ScaledLinear model;
+      fully_shard(model.ptr(), context);
+      for (int step = 0; step < 2; ++step) {
+        torch::manual_seed(40 + step);
+        auto input = torch::randn({4, 3});
+        const int64_t local = 4 / context.world_size();
+        fsdp::forward(model, input.narrow(0, context.rank() * local, local)).sum().backward();
+        reference->forward(input).sum().backward();
+      }
+      // The reference sums over the whole batch; FSDP averages over ranks, so scale it back.
+      const auto& layout = fsdp_module_of(*model)->sharded_parameters();
+      for (const auto& parameter : layout) {
+        const auto* expected = reference->named_parameters().find(parameter.name);
+        ASSERT_NE(expected, nullptr) << parameter.name;
+        auto full = expected->grad().reshape({-1}) / context.world_size();
+        auto mine = parameter.parameter.grad().reshape({-1});
+        auto rows = full.narrow(0, parameter.layout.element_offset(), parameter.layout.numel_owned);
+        EXPECT_TRUE(torch::allclose(mine, rows, 1e-5, 1e-6)) << parameter.name << " on " << context.world_size() << " ranks";
+        EXPECT_EQ(parameter.parameter.grad().sizes(), parameter.parameter.sizes()) << parameter.name;
+      }
+    });
+  }
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -90,14 +90,15 @@ void install_probes(ProbeStack& model, const std::vector<FSDPModule>& units, Obs
   }
 }
 
-// Both on (the default), both off, and forward_prefetch alone off: each switch acts on its own pass.
+// Both on (the default), both off, and each alone: each switch acts on its own pass.
 TEST(Prefetch, NeighbouringUnitIsGatheredWhileTheCurrentOneComputes) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
     struct Switches {
       bool forward;
       bool backward;
     };
-    for (const Switches switches : {Switches{true, true}, Switches{false, false}, Switches{false, true}}) {
+    for (const Switches switches :
+         {Switches{true, true}, Switches{false, false}, Switches{false, true}, Switches{true, false}}) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
