@@ -27,6 +27,7 @@
 #include <torch/nn/module.h>
 
 #include <memory>
+#include <functional>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -64,6 +65,14 @@ struct FullyShardOptions {
   /// Broadcast every managed parameter and buffer from rank 0 before sharding, so ranks that
   /// initialized differently start identical (FSDP1's sync_module_states). Default: false.
   bool sync_module_states = false;
+  /// How a module whose own parameters or buffers are on the meta device gets its values (FSDP1's
+  /// param_init_fn; Note [building on the meta device], meta_device.h). Before sharding, the unit's
+  /// meta tensors are given memory (zeros), and each such module, in FSDP1's order (breadth-first
+  /// from the unit's modules, not entering other units), is passed to this function, which fills its
+  /// direct tensors in place. Unset: the module's own initializer (fsdp::reset_parameters), an error
+  /// naming the module when it has none. Every rank runs it (equal seeds give equal values); under
+  /// sync_module_states only rank 0 does, and the others receive rank 0's values. Default: unset.
+  std::function<void(torch::nn::Module&)> param_init_fn;
   /// Forward prefetch: while a unit computes its forward, the unit that ran after it in the previous
   /// forward is all-gathered (FSDP1's forward_prefetch; FSDP2 gets the same overlap on CUDA from its
   /// streams, and on CPU it must be issued explicitly: Note [prefetch]). Costs one more unit's

@@ -35,6 +35,14 @@ class PretrainedModel {
   /// in the model or by its last components ("inv_freq" matches "layers.0.rotary.inv_freq"). State
   /// dicts neither save nor require them; they keep the values the model computed. Default: none.
   virtual std::vector<std::string> non_persistent_buffers() const { return {}; }
+  /// Gives `module`'s own parameters and buffers the values the model's constructor would
+  /// (transformers' _init_weights), for a model built on the meta device (meta_device.h); false for
+  /// a module it does not know, which then gets its own initializer (fsdp::reset_parameters).
+  /// fsdp2_prepare_model uses it when the plugin has no param_init_fn. Default: false.
+  virtual bool init_weights(torch::nn::Module& module) {
+    (void)module;
+    return false;
+  }
 };
 
 }  // namespace fsdp

@@ -16,6 +16,7 @@
 #include <utility>
 #include <vector>
 
+#include <fsdp/meta_device.h>  // release_parameter_storage, the form a rank-0 load fills
 #include <fsdp/state_dict_options.h>
 #include <fsdp/process_group.h>
 
@@ -125,11 +126,5 @@ void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
 c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state);
 /// The inverse; `source` names the file in errors.
 OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, const std::string& source);
-
-/// Frees every parameter's memory while keeping its shape and dtype: libtorch cannot turn a
-/// meta-device tensor into a real one in place (docs/engine.md, meta device), so this is how a model
-/// becomes "meta" here.
-/// fully_shard gives such parameters zero-filled shards, to be filled by a state-dict load.
-void release_parameter_storage(torch::nn::Module& model);
 
 }  // namespace fsdp

@@ -57,12 +57,19 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
               "parameters. Create the optimizer, then prepare it with the model before the first step");
   // Spec §3.4 steps 6-11: remember each optimizer slot's parameter by its data pointer, let the
   // slots point at nothing so sharding can free the full tensors, shard, then map back by name.
+  // A parameter without memory (built on the meta device, or empty) has no data pointer of its own:
+  // it is known by its TensorImpl instead, which no live data pointer can equal.
+  auto address_of = [](const at::Tensor& parameter) -> void* {
+    void* pointer = parameter.data_ptr();
+    return pointer ? pointer : static_cast<void*>(parameter.unsafeGetTensorImpl());
+  };
   std::unordered_map<std::string, const void*> old_pointers;
-  for (const auto& item : model->named_parameters()) old_pointers.emplace(item.key(), item.value().data_ptr());
+  for (const auto& item : model->named_parameters()) old_pointers.emplace(item.key(), address_of(item.value()));
   for (auto& group : optimizer.param_groups()) {
     for (auto& parameter : group.params()) {
       // A one-element view of the old address that owns nothing; it is only ever compared.
-      parameter = at::from_blob(parameter.data_ptr(), {1}, [](void*) {}, parameter.options().requires_grad(false));
+      parameter = at::from_blob(address_of(parameter), {1}, [](void*) {},
+                                at::TensorOptions().dtype(parameter.scalar_type()).requires_grad(false));
     }
   }
   fsdp2_prepare_model(*this, model);

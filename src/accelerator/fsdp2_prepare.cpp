@@ -10,6 +10,7 @@
 #include <fsdp/accelerator.h>
 #include <fsdp/activation_checkpointing.h>
 #include <fsdp/auto_wrap.h>
+#include <fsdp/meta_device.h>
 #include <fsdp/pretrained_model.h>
 #include <fsdp/state_dict.h>
 
@@ -132,6 +133,7 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
   if (plugin.mixed_precision_policy) options.mixed_precision = *plugin.mixed_precision_policy;
   options.offload = plugin.cpu_offload;
   options.sync_module_states = plugin.sync_module_states;
+  if (plugin.param_init_fn) options.param_init_fn = plugin.param_init_fn;
   if (plugin.fsdp_version == 1) {
     // FSDP1's prefetch options as it defines them; version 2 keeps FSDP2's implicit prefetch (the
     // defaults of FullyShardOptions).
@@ -148,17 +150,22 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
   TORCH_CHECK(model, "fsdp2_prepare_model: the model is null");
   if (is_fsdp_module(*model)) return model;
   const auto& plugin = accelerator.fsdp_plugin();
-  TORCH_CHECK(!plugin.param_init_fn, "fsdp2_prepare_model: param_init_fn is set, but this build does not call it: "
-              "meta-device initialization is not implemented yet. Build the model materialized on CPU (rank 0's "
-              "weights reach every rank with cpu_ram_efficient_loading) and leave param_init_fn unset");
   if (plugin.activation_checkpointing) fsdp2_apply_activation_checkpointing(plugin, model);
-  for (const auto& item : model->named_parameters()) {
-    TORCH_CHECK(!item.value().is_meta(), "fsdp2_prepare_model: parameter '", item.key(),
-                "' is on the meta device; this engine shards materialized parameters only. Create the model on CPU");
-  }
   const auto& context = accelerator.context();
   auto options = fully_shard_options_from_plugin(plugin);
   options.ignored_parameters = ignored_parameters(plugin.ignored_modules, model);
+  auto* pretrained = dynamic_cast<PretrainedModel*>(model.get());
+  if (!options.param_init_fn && pretrained) {
+    // A model built on the meta device gets the values its constructor would give (transformers'
+    // _init_weights), and a module the model does not know gets its own initializer.
+    options.param_init_fn = [pretrained](torch::nn::Module& module) {
+      if (pretrained->init_weights(module)) return;
+      TORCH_CHECK(reset_parameters(module), "fsdp2_prepare_model: module ", module.name(),
+                  " has parameters or buffers on the meta device and no initializer: neither the model's "
+                  "init_weights nor fsdp::reset_parameters knows it. Implement fsdp::ResetParameters on it, or give "
+                  "the plugin a param_init_fn");
+    };
+  }
 
   // FSDP2 needs one dtype for the trainable parameters of a unit, and the sharded parameters are the
   // master weights: keep them in fp32 (spec §3.5 step 6, quirk Q10 kept on purpose).
@@ -185,7 +192,10 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
       }
       for (const auto& item : model->named_buffers()) original_state.emplace_back(item.key(), item.value().detach());
     } else {
+      // A model built on the meta device (MetaDeviceGuard) is welcome here: nothing is allocated
+      // until fully_shard gives each parameter its shard; meta buffers get zeros to receive into.
       release_parameter_storage(*model);
+      to_empty(*model);
     }
   }
 
@@ -195,7 +205,6 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     }
   }
 
-  auto* pretrained = dynamic_cast<PretrainedModel*>(model.get());
   auto input_embed = pretrained ? pretrained->input_embeddings() : nullptr;
   auto output_embed = pretrained ? pretrained->output_embeddings() : nullptr;
   const bool tied = input_embed && output_embed && weight_of(input_embed) && weight_of(input_embed) == weight_of(output_embed);

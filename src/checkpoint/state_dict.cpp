@@ -15,7 +15,6 @@
 #include "checkpoint/agreement.h"
 #include "dist/control_channel.h"
 #include "checkpoint/optimizer_state.h"
-#include "memory/buffer_pool.h"
 
 namespace fsdp {
 namespace {
@@ -288,7 +287,12 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
           problem = shape_message(entry, name, *source, global_shape(entry));
           break;
         }
-        source->rows(name, 0, 0);  // a dtype libtorch cannot hold fails here, before any broadcast
+        // A dtype libtorch cannot hold fails here, before any broadcast.
+        if (source->rows(name, 0, 0).is_meta()) {
+          problem = "'" + entry.name + "' is on the meta device on rank 0, which has no values to send. Build (or "
+                    "load) the model materialized on rank 0; only the other ranks may build it on the meta device";
+          break;
+        }
       }
     } catch (const std::exception& error) {
       problem = detail::message_of(error);
@@ -613,10 +617,6 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
   }
   result.param_groups_json = groups.dump();
   return result;
-}
-
-void release_parameter_storage(torch::nn::Module& model) {
-  for (auto& parameter : model.parameters()) detail::take_storage_memory(parameter);  // dropped: freed
 }
 
 }  // namespace fsdp

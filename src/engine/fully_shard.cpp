@@ -3,10 +3,12 @@
 #include <ATen/ATen.h>
 #include <torch/nn/module.h>
 
+#include <deque>
 #include <functional>
 #include <unordered_set>
 
 #include <fsdp/collectives.h>
+#include <fsdp/meta_device.h>
 
 #include "engine/module_state.h"
 #include "engine/registry.h"
@@ -28,6 +30,54 @@ void collect_managed_modules(const std::shared_ptr<torch::nn::Module>& module, c
   for (const auto& child : module->named_children()) {
     if (detail::find_param_group(child.value().get())) continue;
     collect_managed_modules(child.value(), prefix + child.key() + ".", out);
+  }
+}
+
+// FSDP1's _materialize_meta_module for a new unit (Note [building on the meta device],
+// meta_device.h): the modules breadth-first from the unit's modules, not entering other units (its
+// _get_modules_to_materialize), and each one with meta tensors of its own given memory and values.
+// On a rank that receives rank 0's values (sync_module_states), parameters get no memory at all
+// (the broadcast fills their shards) and buffers get zeros (the broadcast fills them).
+void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
+                              const DistributedContext& context, const FullyShardOptions& options) {
+  std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> order;
+  std::deque<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> queue;
+  std::unordered_set<const torch::nn::Module*> visited;
+  for (const auto& module : modules) {
+    if (visited.insert(module.get()).second) queue.emplace_back(modules.size() == 1 ? "" : module->name() + ".", module);
+  }
+  while (!queue.empty()) {
+    auto [prefix, module] = std::move(queue.front());
+    queue.pop_front();
+    for (const auto& child : module->named_children()) {
+      if (detail::find_param_group(child.value().get()) || !visited.insert(child.value().get()).second) continue;
+      queue.emplace_back(prefix + child.key() + ".", child.value());
+    }
+    order.emplace_back(std::move(prefix), std::move(module));
+  }
+  const bool receives = options.sync_module_states && context.world_size() > 1 && context.rank() != 0;
+  for (const auto& [prefix, module] : order) {
+    if (!has_meta_tensors(*module, /*recurse=*/false)) continue;
+    const std::string path = prefix.empty() ? std::string("the unit's module") : "'" + prefix.substr(0, prefix.size() - 1) + "'";
+    if (receives) {
+      release_parameter_storage(*module, /*recurse=*/false);
+      to_empty(*module, c10::kCPU, /*recurse=*/false);
+      continue;
+    }
+    to_empty(*module, c10::kCPU, /*recurse=*/false);
+    at::NoGradGuard no_grad;
+    if (options.param_init_fn) {
+      options.param_init_fn(*module);
+    } else {
+      TORCH_CHECK(reset_parameters(*module), detail::on_rank(context), "fully_shard: module ", path, " (", module->name(),
+                  ") of the unit on ", modules.front()->name(),
+                  " has parameters or buffers on the meta device and no initializer of its own. Implement "
+                  "fsdp::ResetParameters on it, give FullyShardOptions::param_init_fn (the plugin's param_init_fn), "
+                  "or build the model outside MetaDeviceGuard");
+    }
+    TORCH_CHECK(!has_meta_tensors(*module, /*recurse=*/false), detail::on_rank(context), "fully_shard: module ", path, " (",
+                module->name(), ") still has tensors on the meta device after param_init_fn; the function must give "
+                "the module's own parameters and buffers their values in place");
   }
 }
 
@@ -155,6 +205,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   std::unordered_set<const c10::TensorImpl*> ignored;
   for (const auto& tensor : options.ignored_parameters) ignored.insert(tensor.unsafeGetTensorImpl());
 
+  materialize_meta_modules(modules, context, options);
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> managed_modules;
   for (size_t index = 0; index < modules.size(); ++index) {
     const std::string prefix = modules.size() == 1 ? "" : modules[index]->name() + ".";
@@ -171,8 +222,6 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       if (ignored.count(impl) || !seen.insert(impl).second || already_managed.count(impl)) continue;
       TORCH_CHECK(tensor.device().is_cpu(), detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(), "' is on ",
                   tensor.device(), "; this build of fsdp.cpp computes on CPU. Move the model to CPU first");
-      TORCH_CHECK(!tensor.is_meta(), detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(),
-                  "' is on the meta device; materialize it (or load a full state dict) before sharding");
       detail::FSDPParam parameter;
       parameter.name = prefix + item.key();
       parameter.parameter = tensor;

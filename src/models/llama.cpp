@@ -242,6 +242,21 @@ LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config) : config(c
   }
 }
 
+bool LlamaForCausalLMImpl::init_weights(torch::nn::Module& module) {
+  torch::NoGradGuard no_grad;
+  if (auto* norm = dynamic_cast<LlamaRMSNormImpl*>(&module)) {
+    norm->weight.fill_(1.0);
+    return true;
+  }
+  torch::Tensor weight;
+  if (auto* linear = dynamic_cast<torch::nn::LinearImpl*>(&module)) weight = linear->weight;
+  if (auto* embedding = dynamic_cast<torch::nn::EmbeddingImpl*>(&module)) weight = embedding->weight;
+  if (auto* head = dynamic_cast<LlamaLMHeadImpl*>(&module)) weight = head->weight;
+  if (!weight.defined()) return false;
+  weight.normal_(0.0, config.initializer_range);
+  return true;
+}
+
 torch::Tensor LlamaForCausalLMImpl::forward(const torch::Tensor& input_ids) {
   return fsdp::forward(lm_head, fsdp::forward(model, input_ids));
 }

@@ -55,7 +55,10 @@ struct Outcome {
   bool failed = false;
 };
 
-Outcome prepare_with(const DistributedContext& context, const Args& args, const EnvironmentMap& environment) {
+/// With `on_meta`, every rank builds the model on the meta device (tied, so that each module has an
+/// initializer of its own) and prepare initializes it.
+Outcome prepare_with(const DistributedContext& context, const Args& args, const EnvironmentMap& environment,
+                     bool on_meta = false) {
   Outcome outcome;
   std::optional<FullyShardedDataParallelPlugin> plugin;
   try {
@@ -68,7 +71,13 @@ Outcome prepare_with(const DistributedContext& context, const Args& args, const 
   for (const auto& warning : plugin->warnings) outcome.messages += warning + "\n";
   // Rank 0 and the others start from different weights: what a rank ends with shows syncing.
   torch::manual_seed(context.rank() == 0 ? 11 : 12);
-  testing::TinyTransformer model(/*tied=*/false, 11, 6, 2);
+  testing::TinyTransformer model{nullptr};
+  if (on_meta) {
+    MetaDeviceGuard meta;
+    model = testing::TinyTransformer(/*tied=*/true, 11, 6, 2);
+  } else {
+    model = testing::TinyTransformer(/*tied=*/false, 11, 6, 2);
+  }
   torch::optim::AdamW optimizer(testing::unique_parameters(*model));
   AcceleratorOptions options;
   options.fsdp_plugin = *plugin;
@@ -114,6 +123,8 @@ struct FieldCase {
   std::function<void(Args&, EnvironmentMap&)> change;
   /// Set on both the baseline and the case: what the field needs to matter (e.g. its wrap policy).
   std::function<void(Args&, EnvironmentMap&)> prerequisite;
+  /// Both build the model on the meta device.
+  bool on_meta = false;
 };
 
 std::map<std::string, FieldCase> field_cases(int64_t version) {
@@ -148,8 +159,13 @@ std::map<std::string, FieldCase> field_cases(int64_t version) {
       [](Args& args, EnvironmentMap&) { args.state_dict_type = std::string("FULL_STATE_DICT"); }};
   cases["limit_all_gathers"] = {[](Args& args, EnvironmentMap&) { args.limit_all_gathers = false; }, nothing};
   cases["use_orig_params"] = {[version](Args& args, EnvironmentMap&) { args.use_orig_params = version == 2; }, nothing};
-  cases["param_init_fn"] = {[](Args& args, EnvironmentMap&) { args.param_init_fn = ParamInitFn([](torch::nn::Module&) {}); },
-                            nothing};
+  cases["param_init_fn"] = {[](Args& args, EnvironmentMap&) {
+                              args.param_init_fn = ParamInitFn([](torch::nn::Module& module) {
+                                torch::NoGradGuard no_grad;
+                                for (auto& parameter : module.parameters(/*recurse=*/false)) parameter.fill_(0.5);
+                              });
+                            },
+                            nothing, /*on_meta=*/true};
   cases["sync_module_states"] = {[](Args& args, EnvironmentMap&) { args.sync_module_states = true; }, nothing};
   cases["forward_prefetch"] = {[](Args& args, EnvironmentMap&) { args.forward_prefetch = true; }, nothing};
   cases["activation_checkpointing"] = {[](Args& args, EnvironmentMap&) { args.activation_checkpointing = true; },
@@ -185,9 +201,10 @@ TEST(PluginEffects, EveryFieldChangesWhatPrepareDoesOrIsNamedInAWarningOrError) 
         Args changed_args = baseline_args;
         EnvironmentMap changed_environment = baseline_environment;
         found->second.change(changed_args, changed_environment);
-        const auto baseline = prepare_with(context, baseline_args, baseline_environment);
+        const bool on_meta = found->second.on_meta;
+        const auto baseline = prepare_with(context, baseline_args, baseline_environment, on_meta);
         ASSERT_FALSE(baseline.failed) << what << ": " << baseline.messages;
-        const auto changed = prepare_with(context, changed_args, changed_environment);
+        const auto changed = prepare_with(context, changed_args, changed_environment, on_meta);
         // The rank that is not 0 sees every effect, syncing from rank 0 included.
         if (context.rank() != 1) continue;
         // A message counts only if the change brought it: the baseline must not say it already.

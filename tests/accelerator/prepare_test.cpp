@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 
 #include "harness/parity.h"
 #include "harness/test_models.h"
@@ -161,11 +162,14 @@ TEST(Fsdp2PrepareModel, Fp16MixedPrecisionRunsOnCpu) { expect_prepare_upcasts_to
 // released, so the ranks issued different broadcasts. Efficient loading now loads from rank 0
 // instead of syncing at fully_shard; the sync of released parameters itself is covered by
 // FullyShard.SyncModuleStatesGivesEveryRankRankZerosValuesEvenWithoutStorage.
+// With `meta`, the ranks other than 0 build the model on the meta device (MetaDeviceGuard), holding
+// no memory until their shards arrive.
 struct LoadingCase {
   int64_t version;
   int ranks;
   bool efficient_loading;
   bool sync_module_states;
+  bool meta = false;
 };
 
 // A stable test name for ctest (CMake appends the printed parameter).
@@ -183,7 +187,13 @@ TEST_P(RankZerosWeights, EveryRankEndsWithRankZerosWeights) {
     const auto expected = testing::named_copies(*rank_zero_model);
     // Every other rank starts from different weights: only rank 0's may survive.
     torch::manual_seed(context.rank() == 0 ? 41 : 100 + context.rank());
-    testing::TinyTransformer model;
+    testing::TinyTransformer model{nullptr};
+    if (parameters.meta && context.rank() != 0) {
+      MetaDeviceGuard meta;
+      model = testing::TinyTransformer();
+    } else {
+      model = testing::TinyTransformer();
+    }
     FullyShardedDataParallelPluginArgs args;
     args.fsdp_version = parameters.version;
     args.auto_wrap_policy = std::string("transformer_based_wrap");
@@ -202,12 +212,16 @@ TEST_P(RankZerosWeights, EveryRankEndsWithRankZerosWeights) {
 INSTANTIATE_TEST_SUITE_P(
     Loading, RankZerosWeights,
     ::testing::Values(LoadingCase{2, 3, true, false}, LoadingCase{2, 2, true, false}, LoadingCase{1, 2, true, true},
-                      LoadingCase{1, 3, true, true}, LoadingCase{1, 2, false, true}, LoadingCase{1, 3, false, true}),
+                      LoadingCase{1, 3, true, true}, LoadingCase{1, 2, false, true}, LoadingCase{1, 3, false, true},
+                      LoadingCase{2, 3, true, false, true}, LoadingCase{2, 2, true, false, true},
+                      LoadingCase{1, 3, true, true, true}, LoadingCase{1, 2, false, true, true},
+                      LoadingCase{1, 3, false, true, true}),
     [](const ::testing::TestParamInfo<LoadingCase>& info) {
       std::string name = "V";
       name += std::to_string(info.param.version) + "_" + std::to_string(info.param.ranks) + "ranks";
       if (info.param.efficient_loading) name += "_EfficientLoading";
       if (info.param.sync_module_states) name += "_SyncModuleStates";
+      if (info.param.meta) name += "_MetaOnOtherRanks";
       return name;
     });
 
@@ -237,6 +251,74 @@ TEST(AcceleratorPrepare, RejectsAnOptimizerThatSteppedOrHoldsForeignParameters) 
   }
 }
 
+// The plugin's param_init_fn (FSDP1's): a model built on the meta device on every rank gets its
+// values from it, one module at a time, under both versions.
+TEST(AcceleratorPrepare, ParamInitFnInitializesAModelBuiltOnTheMetaDevice) {
+  for (const int64_t version : {int64_t{1}, int64_t{2}}) {
+    testing::run_on_ranks(2, [version](const DistributedContext& context) {
+      testing::MlpStack model{nullptr};
+      {
+        MetaDeviceGuard meta;
+        model = testing::MlpStack();
+      }
+      torch::optim::AdamW optimizer(unique_parameters(*model));
+      auto accelerator = make_accelerator(context, "no_wrap", "no", version);
+      auto modules = std::make_shared<std::vector<std::string>>();
+      accelerator.fsdp_plugin().param_init_fn = [modules](torch::nn::Module& module) {
+        modules->push_back(module.name());
+        torch::NoGradGuard no_grad;
+        for (auto& parameter : module.parameters(/*recurse=*/false)) parameter.fill_(0.25);
+      };
+      accelerator.prepare(model, optimizer);
+      EXPECT_FALSE(modules->empty());
+      for (const auto& [name, tensor] : testing::full_parameters(*model)) {
+        EXPECT_TRUE(torch::equal(tensor, torch::full_like(tensor, 0.25))) << "version " << version << ": " << name;
+      }
+      // The optimizer steps the materialized shards.
+      EXPECT_EQ(optimizer.param_groups().at(0).params().size(), unique_parameters(*model).size());
+      for (const auto& parameter : optimizer.param_groups().at(0).params()) EXPECT_FALSE(parameter.is_meta());
+    });
+  }
+}
+
+// Without a param_init_fn, a PretrainedModel built on the meta device gets its own initialization
+// (init_weights: transformers' _init_weights), identical on every rank for the same seed, and trains.
+TEST(AcceleratorPrepare, LlamaBuiltOnTheMetaDeviceGetsItsOwnInitialization) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    auto config = models::LlamaConfig::preset("tiny");
+    config.tie_word_embeddings = false;
+    torch::manual_seed(5);
+    models::LlamaForCausalLM model{nullptr};
+    {
+      MetaDeviceGuard meta;
+      model = models::LlamaForCausalLM(config);
+    }
+    torch::optim::AdamW optimizer(unique_parameters(*model));
+    auto accelerator = make_accelerator(context);
+    accelerator.prepare(model, optimizer);
+    const auto full = testing::full_parameters(*model);
+    for (const auto& [name, tensor] : full) {
+      if (name.find("norm") != std::string::npos) {
+        EXPECT_TRUE(torch::equal(tensor, torch::ones_like(tensor))) << name;
+      } else {
+        EXPECT_NEAR(tensor.std().item<double>(), config.initializer_range, 0.25 * config.initializer_range) << name;
+        EXPECT_NEAR(tensor.mean().item<double>(), 0.0, 0.2 * config.initializer_range) << name;
+      }
+    }
+    // Equal seeds, equal values: rank 1's gathered weights equal rank 0's.
+    for (const auto& [name, tensor] : full) {
+      auto rank_zeros = tensor.clone();
+      broadcast(context.world(), rank_zeros, 0);
+      EXPECT_TRUE(torch::equal(rank_zeros, tensor)) << name;
+    }
+    auto tokens = torch::randint(0, config.vocab_size, {2, 9});
+    auto loss = models::causal_lm_loss(fsdp::forward(model, tokens.narrow(1, 0, 8)), tokens.narrow(1, 1, 8));
+    accelerator.backward(loss);
+    optimizer.step();
+    EXPECT_TRUE(std::isfinite(loss.item<double>()));
+  });
+}
+
 TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});
   testing::MlpStack model;
@@ -249,12 +331,8 @@ TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
                          "selects, but auto_wrap_policy is NO_WRAP"),
             std::string::npos)
       << message;
-  // param_init_fn is stored by the plugin but nothing calls it yet: prepare says so.
-  accelerator.fsdp_plugin().activation_checkpointing = false;
-  accelerator.fsdp_plugin().param_init_fn = [](torch::nn::Module&) {};
-  message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
-  EXPECT_NE(message.find("param_init_fn is set, but this build does not call it"), std::string::npos) << message;
   EXPECT_FALSE(is_fsdp_module(*model)) << "a refused prepare shards nothing";
+  accelerator.fsdp_plugin().activation_checkpointing = false;
   message = testing::error_message_of([&] {
     AcceleratorOptions options;
     options.mixed_precision = "fp8";

@@ -111,6 +111,15 @@ void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
 }
 
 /// Rank 0 loads the weights; every rank learns whether that worked before the next collective.
+/// The model to train or evaluate. With weights to load (`from_weights`), only rank 0 reads them; the
+/// other ranks build the model on the meta device, allocating nothing, and receive their shards from
+/// rank 0 (cpu_ram_efficient_loading), as transformers' non-main processes do under Accelerate.
+LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, const fsdp::DistributedContext& context) {
+  if (!from_weights || context.rank() == 0) return LlamaForCausalLM(config);
+  fsdp::MetaDeviceGuard meta;
+  return LlamaForCausalLM(config);
+}
+
 void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory, const fsdp::DistributedContext& context) {
   std::string error;
   if (context.rank() == 0) {
@@ -200,7 +209,7 @@ int evaluate_only(const Settings& settings, const fsdp::DistributedContext& cont
   const auto config = LlamaConfig::from_json(read_text((fs::path(settings.init_from) / "config.json").string()),
                                              (fs::path(settings.init_from) / "config.json").string());
   torch::manual_seed(settings.seed);
-  LlamaForCausalLM model(config);
+  auto model = build_model(config, /*from_weights=*/true, context);
   load_weights_on_rank0(model, settings.init_from, context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
@@ -242,7 +251,7 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   const auto eval_tokens = train_llama::bytes_to_tokens(eval_text);
 
   torch::manual_seed(settings.seed);
-  LlamaForCausalLM model(config);
+  auto model = build_model(config, /*from_weights=*/!settings.init_from.empty(), context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
   if (!settings.init_from.empty()) {

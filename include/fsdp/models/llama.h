@@ -98,6 +98,9 @@ struct LlamaForCausalLMImpl : torch::nn::Module, PretrainedModel {
   std::shared_ptr<torch::nn::Module> output_embeddings() override { return lm_head.ptr(); }
   std::string base_model_prefix() const override { return "model"; }
   std::vector<std::string> no_split_modules() const override { return {"LlamaDecoderLayer"}; }
+  /// The constructor's initialization, one module at a time: normal(0, initializer_range) for the
+  /// projections, the embedding and an untied head, ones for the norms.
+  bool init_weights(torch::nn::Module& module) override;
   LlamaConfig config;
   LlamaModel model{nullptr};
   LlamaLMHead lm_head{nullptr};
