@@ -56,9 +56,12 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
 
 /// Loads a checkpoint written by save_checkpoint (its layout is recognized from the files), restores
 /// this rank's generator state and returns the progress. SHARDED checkpoints load on any world size.
-/// Collective.
+/// FULL: with `options.state_dict_config.rank0_only` (and `optim_state_dict_config.rank0_only` for
+/// optimizer.bin) only rank 0 reads the file and every other rank receives its rows, one tensor at a
+/// time; without it every rank reads the file and keeps its rows. Collective.
 TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,
-                                 torch::optim::Optimizer& optimizer, const DistributedContext& context);
+                                 torch::optim::Optimizer& optimizer, const DistributedContext& context,
+                                 const CheckpointOptions& options = {});
 
 /// Whether `directory` holds a finished checkpoint (its completion marker exists).
 bool is_complete_checkpoint(const std::string& directory);

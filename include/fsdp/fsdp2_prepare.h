@@ -36,6 +36,8 @@ std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullySharde
 /// place and returned. Embeddings and the final norm are found through fsdp::PretrainedModel when the
 /// model implements it. With cpu_ram_efficient_loading, rank 0's weights are kept aside and every
 /// other rank drops its own before sharding and receives its rows from rank 0, one tensor at a time.
+/// With fsdp_version=1 the units are FSDP1's instead: what the policy wraps, then the root, and
+/// only the root casts its floating inputs to param_dtype (FSDP1's cast_root_forward_inputs).
 std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
                                                        const std::shared_ptr<torch::nn::Module>& model);
 

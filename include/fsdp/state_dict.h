@@ -121,6 +121,13 @@ void load_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer
                                const std::string& optimizer_type, const std::string& param_groups_json,
                                const TensorSource& tensors);
 
+/// The same when only rank 0 holds the state dict (FULL with rank0_only; `state` is ignored elsewhere
+/// and may be null): rank 0 broadcasts one tensor at a time and every rank keeps its rows, so no rank
+/// but 0 reads the file or holds more than one full tensor beyond its rows. Collective over
+/// `context.world()`.
+void load_optimizer_state_dict_from_rank0(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                          const DistributedContext& context, const OptimizerStateDict* state);
+
 /// The optimizer state dict as PyTorch's optimizer.state_dict() format keyed by names
 /// ({"state": {name: {field: tensor}}, "param_groups": [...]}), for torch.save files.
 c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state);

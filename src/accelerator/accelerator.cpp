@@ -118,7 +118,7 @@ void Accelerator::save_state(const std::string& directory, const TrainingProgres
 
 TrainingProgress Accelerator::load_state(const std::string& directory) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::load_state: prepare(model, optimizer) first");
-  return load_checkpoint(directory, *model_, *optimizer_, context_);
+  return load_checkpoint(directory, *model_, *optimizer_, context_, checkpoint_options_from_plugin(plugin_));
 }
 
 }  // namespace fsdp

@@ -99,6 +99,11 @@ void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& 
   }
 }
 
+// Accelerate's fsdp2_prepare_model step for version 2: the input embedding (untied) and the tail (the
+// final norm with the output embedding, or the tied embedding) as units of their own.
+void shard_embeddings_and_tail(const std::shared_ptr<torch::nn::Module>& model, PretrainedModel* pretrained,
+                               const DistributedContext& context, const FullyShardOptions& options);
+
 }  // namespace
 
 std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullyShardedDataParallelPlugin& plugin,
@@ -199,12 +204,36 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     }
   }
 
+  // Version 1 prepares as FSDP1 does: units are what the policy wraps, plus the root, and only the
+  // root casts its floating inputs to param_dtype (FSDP1's cast_root_forward_inputs; its
+  // cast_forward_inputs, off by default, is every other unit's). Version 2 follows Accelerate's
+  // fsdp2_prepare_model: the input embedding and the tail are units too, and every unit casts.
+  const bool fsdp1 = plugin.fsdp_version == 1;
+  const bool cast_root_inputs = options.mixed_precision.cast_forward_inputs;
+  if (fsdp1) options.mixed_precision.cast_forward_inputs = false;
   if (auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model)) {
     for (const auto& [name, module] : modules_to_wrap(model, *policy)) {
       if (!is_fsdp_module(*module)) fully_shard(module, context, options);
     }
   }
+  if (!fsdp1) shard_embeddings_and_tail(model, pretrained, context, options);
+  if (!is_fsdp_module(*model)) {
+    auto root_options = options;
+    root_options.reshard_after_forward.reset();
+    root_options.mixed_precision.cast_forward_inputs = cast_root_inputs;
+    fully_shard(model, context, root_options);
+  }
+  if (efficient_loading) {
+    std::unique_ptr<TensorListSource> source;
+    if (context.rank() == 0) source = std::make_unique<TensorListSource>(std::move(original_state), "rank 0's weights");
+    load_model_state_dict_from_rank0(*model, context, source.get());
+  }
+  return model;
+}
 
+namespace {
+void shard_embeddings_and_tail(const std::shared_ptr<torch::nn::Module>& model, PretrainedModel* pretrained,
+                               const DistributedContext& context, const FullyShardOptions& options) {
   auto input_embed = pretrained ? pretrained->input_embeddings() : nullptr;
   auto output_embed = pretrained ? pretrained->output_embeddings() : nullptr;
   const bool tied = input_embed && output_embed && weight_of(input_embed) && weight_of(input_embed) == weight_of(output_embed);
@@ -221,18 +250,8 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     tail_options.reshard_after_forward = false;
     fully_shard(tail, context, tail_options);
   }
-  if (!is_fsdp_module(*model)) {
-    auto root_options = options;
-    root_options.reshard_after_forward.reset();
-    fully_shard(model, context, root_options);
-  }
-  if (efficient_loading) {
-    std::unique_ptr<TensorListSource> source;
-    if (context.rank() == 0) source = std::make_unique<TensorListSource>(std::move(original_state), "rank 0's weights");
-    load_model_state_dict_from_rank0(*model, context, source.get());
-  }
-  return model;
 }
+}  // namespace
 
 void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
                                        const std::unordered_map<const void*, at::Tensor>& mapping) {

@@ -6,6 +6,7 @@
 
 #include <filesystem>
 #include <functional>
+#include <optional>
 #include <fstream>
 #include <sstream>
 
@@ -179,7 +180,8 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
 }
 
 TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,
-                                 torch::optim::Optimizer& optimizer, const DistributedContext& context) {
+                                 torch::optim::Optimizer& optimizer, const DistributedContext& context,
+                                 const CheckpointOptions& options) {
   detail::agree_on_operation(context, "load_checkpoint('" + canonical(directory) + "')");
   StateDictType type = StateDictType::kShardedStateDict;
   int64_t saved_world_size = 0;
@@ -188,6 +190,9 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   std::unique_ptr<ShardedDirectoryReader> optimizer_reader;
   std::string model_file;
   std::unique_ptr<TensorListSource> full_source;
+  std::optional<OptimizerStateDict> full_optimizer;
+  const bool model_from_rank0 = options.state_dict_config.rank0_only;
+  const bool optimizer_from_rank0 = options.optim_state_dict_config.rank0_only;
   std::string error;
   try {
     const auto marker_path = path_in(directory, kMarker);
@@ -221,7 +226,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", recorded);
       TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
                   kFullOptimizer);
-      if (context.rank() == 0) {
+      // rank0_only: rank 0 alone reads the full files, and the others receive their rows.
+      if (context.rank() == 0 || !model_from_rank0) {
         TensorList tensors;
         if (recorded == kFullModelSafetensors) {
           tensors = read_safetensors(model_file);
@@ -229,6 +235,10 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
           tensors = tensor_dict_items(load_torch_file(model_file), model_file);
         }
         full_source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
+      }
+      if (context.rank() == 0 && optimizer_from_rank0) {
+        const auto optimizer_path = path_in(directory, kFullOptimizer);
+        full_optimizer = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
       }
     } else {
       if (type == StateDictType::kShardedStateDict) {
@@ -249,13 +259,22 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   }
   detail::raise_if_any_rank_failed(context, error);
 
-  // The model's collectives (FULL) come first; everything after is local and checked on every rank.
-  if (type == StateDictType::kFullStateDict) load_model_state_dict_from_rank0(model, context, full_source.get());
-  full_source.reset();
+  // The collectives (FULL from rank 0) come first; everything after is local and checked on every rank.
+  if (type == StateDictType::kFullStateDict && model_from_rank0) {
+    load_model_state_dict_from_rank0(model, context, full_source.get());
+    full_source.reset();
+  }
+  if (type == StateDictType::kFullStateDict && optimizer_from_rank0) {
+    load_optimizer_state_dict_from_rank0(model, optimizer, context, full_optimizer ? &*full_optimizer : nullptr);
+    full_optimizer.reset();
+  }
   TrainingProgress progress;
   on_every_rank(context, [&] {
     switch (type) {
       case StateDictType::kFullStateDict: {
+        if (full_source) load_model_state_dict(model, *full_source);
+        full_source.reset();
+        if (optimizer_from_rank0) break;
         const auto optimizer_path = path_in(directory, kFullOptimizer);
         const auto state = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
         TensorList tensors;

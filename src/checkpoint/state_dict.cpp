@@ -518,6 +518,86 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
 }
 }  // namespace
 
+namespace {
+
+// The rows of each optimizer state tensor this rank kept from rank 0's broadcasts, served as the
+// full tensors they came from: rows(name, begin, count) must fall inside what was kept.
+class KeptRowsSource : public TensorSource {
+ public:
+  struct Kept {
+    std::vector<int64_t> shape;
+    int64_t first_row = 0;
+    at::Tensor rows;
+  };
+  explicit KeptRowsSource(std::map<std::string, Kept> kept) : kept_(std::move(kept)) {}
+  bool contains(const std::string& name) const override { return kept_.count(name) > 0; }
+  std::vector<int64_t> shape(const std::string& name) const override { return kept_.at(name).shape; }
+  at::Tensor rows(const std::string& name, int64_t row_begin, int64_t row_count) const override {
+    const auto& kept = kept_.at(name);
+    if (kept.rows.dim() == 0) return kept.rows;
+    TORCH_INTERNAL_ASSERT(row_begin >= kept.first_row && row_begin + row_count <= kept.first_row + kept.rows.size(0),
+                          "optimizer state '", name, "': rows ", row_begin, "+", row_count, " were not kept (kept ",
+                          kept.first_row, "+", kept.rows.size(0), ")");
+    return kept.rows.narrow(0, row_begin - kept.first_row, row_count);
+  }
+  size_t size() const override { return kept_.size(); }
+  std::string description() const override { return "rank 0's optimizer state"; }
+
+ private:
+  std::map<std::string, Kept> kept_;
+};
+
+}  // namespace
+
+void load_optimizer_state_dict_from_rank0(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                                          const DistributedContext& context, const OptimizerStateDict* state) {
+  const bool is_source = context.rank() == 0;
+  TORCH_CHECK(!is_source || state, "load_optimizer_state_dict_from_rank0: rank 0 needs the optimizer state dict");
+  // Rank 0 describes what it will send (type, groups, each tensor's name, shape and dtype) before any
+  // tensor moves, so every rank issues the same broadcasts.
+  std::string header;
+  if (is_source) {
+    nlohmann::json description = {{"optimizer", state->optimizer}, {"param_groups", state->param_groups_json},
+                                  {"tensors", nlohmann::json::array()}};
+    for (const auto& [name, tensor] : state->tensors) {
+      description["tensors"].push_back(
+          {name, tensor.local.sizes().vec(), static_cast<int>(tensor.local.scalar_type())});
+    }
+    header = description.dump();
+  }
+  const auto description = nlohmann::json::parse(detail::broadcast_string(context, header, 0));
+  std::unordered_map<std::string, const ModelTensor*> by_name;
+  const auto entries = model_tensors(model);
+  for (const auto& entry : entries) {
+    for (const auto& alias : entry.aliases) by_name[alias] = &entry;
+  }
+  std::map<std::string, KeptRowsSource::Kept> kept;
+  const auto& listed = description["tensors"];
+  for (size_t index = 0; index < listed.size(); ++index) {
+    const auto name = listed[index][0].get<std::string>();
+    const auto shape = listed[index][1].get<std::vector<int64_t>>();
+    const auto dtype = static_cast<c10::ScalarType>(listed[index][2].get<int>());
+    at::Tensor full = is_source ? state->tensors[index].second.local.contiguous() : at::empty(shape, at::TensorOptions().dtype(dtype));
+    broadcast(context.world(), full, 0);
+    // "state.<parameter>.<field>": a sharded parameter's state of its full shape keeps this rank's
+    // rows; everything else (steps, unsharded parameters) is kept whole.
+    KeptRowsSource::Kept entry{shape, 0, full};
+    const auto last_dot = name.rfind('.');
+    if (name.rfind("state.", 0) == 0 && last_dot != std::string::npos && last_dot > 6) {
+      auto found = by_name.find(name.substr(6, last_dot - 6));
+      if (found != by_name.end() && is_sharded(*found->second) && full.dim() > 0 &&
+          full.sizes() == at::IntArrayRef(found->second->owner->shard.layout.unsharded_sizes)) {
+        const auto& layout = found->second->owner->shard.layout;
+        entry.first_row = layout.row_offset;
+        entry.rows = full.reshape({layout.rows, -1}).narrow(0, layout.row_offset, layout.owned_rows).clone();
+      }
+    }
+    kept.emplace(name, std::move(entry));
+  }
+  load_optimizer_state_dict(model, optimizer, description["optimizer"].get<std::string>(),
+                            description["param_groups"].get<std::string>(), KeptRowsSource(std::move(kept)));
+}
+
 c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state) {
   const auto groups = nlohmann::json::parse(state.param_groups_json);
   c10::impl::GenericDict per_parameter(c10::StringType::get(), c10::AnyType::get());

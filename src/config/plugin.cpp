@@ -864,13 +864,11 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
   // configuration (docs/plugin.md), so that `fsdp config show` shows it beside the values.
   std::vector<std::string> differences;
   if (fsdp_version == 1) {
-    differences.push_back(
-        "units: FSDP2's layout (the modules the wrap policy selects, the input embedding, the final norm with "
-        "the output embedding, then the root), not FSDP1's (the selected modules and the root)");
-    differences.push_back(
-        "mixed precision: FSDP2's semantics (trainable parameters kept in fp32 as the sharded master weights, "
-        "param_dtype for compute, reduce_dtype for gradients), not FSDP1's flat-parameter casts");
     differences.push_back("parameters: always the original ones (FSDP1's use_orig_params=true); no flat parameters");
+    differences.push_back(
+        "mixed precision: BatchNorm modules are cast like every other module (FSDP1 wraps them separately in full "
+        "precision, its _module_classes_to_ignore), and trainable parameters are upcast to fp32 before sharding "
+        "when the accelerator uses mixed precision, as under version 2");
   }
   document["differences_from_accelerate"] = differences;
   return document.dump(2);

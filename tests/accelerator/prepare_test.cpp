@@ -46,9 +46,14 @@ void train_prepared_and_compare(const DistributedContext& context, bool tied, bo
   torch::optim::AdamW reference_optimizer(unique_parameters(*reference), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   accelerator.prepare(model, optimizer);
 
-  // Blocks bottom-up, then the input embedding (untied only), then the tail, then the root.
+  // Version 2: blocks bottom-up, then the input embedding (untied only), then the tail, then the
+  // root. Version 1 (FSDP1): the blocks, then the root.
   const std::string block = "fsdp::testing::TransformerBlockImpl";
-  if (tied) {
+  if (version == 1) {
+    EXPECT_EQ(unit_names(*model), (std::vector<std::string>{block, block, "fsdp::testing::TinyTransformerImpl"}));
+    EXPECT_FALSE(is_fsdp_module(*model->embed_tokens));
+    EXPECT_FALSE(is_fsdp_module(*model->norm));
+  } else if (tied) {
     EXPECT_EQ(unit_names(*model), (std::vector<std::string>{block, block, "torch::nn::LayerNormImpl",
                                                             "fsdp::testing::TinyTransformerImpl"}));
     EXPECT_TRUE(is_fsdp_module(*model->embed_tokens));
@@ -127,6 +132,58 @@ TEST(Fsdp2PrepareModel, ActivationCheckpointingOfBlockChildrenTrainsLikeSinglePr
 
 TEST(Fsdp2PrepareModel, VersionOneCheckpointsTheBlocksThemselvesAndTrainsLikeSingleProcess) {
   testing::run_on_ranks(2, [](const DistributedContext& context) { train_prepared_and_compare(context, true, true, 1); });
+}
+
+TEST(Fsdp2PrepareModel, VersionOneShardsTheUntiedModelLikeFsdp1AndTrainsLikeSingleProcess) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) { train_prepared_and_compare(context, false, false, 1); });
+}
+
+// Which dtype a unit's forward receives: FSDP1 casts the root's floating inputs to param_dtype only
+// (cast_root_forward_inputs); FSDP2 casts every unit's (cast_forward_inputs).
+struct RecordingBlockImpl : torch::nn::Module {
+  RecordingBlockImpl() : fc(register_module("fc", torch::nn::Linear(4, 4))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen = x.scalar_type();
+    return fsdp::forward(fc, x.to(fc->weight.scalar_type()));
+  }
+  torch::nn::Linear fc;
+  c10::ScalarType seen = c10::kDouble;
+};
+TORCH_MODULE(RecordingBlock);
+
+struct CastProbeImpl : torch::nn::Module {
+  CastProbeImpl() : block(register_module("block", RecordingBlock())), head(register_module("head", torch::nn::Linear(4, 2))) {}
+  torch::Tensor forward(const torch::Tensor& x) {
+    seen = x.scalar_type();
+    // A float32 tensor made inside the root reaches the block as it is under FSDP1.
+    return fsdp::forward(head, fsdp::forward(block, x.to(torch::kFloat)).to(head->weight.scalar_type()));
+  }
+  RecordingBlock block;
+  torch::nn::Linear head;
+  c10::ScalarType seen = c10::kDouble;
+};
+TORCH_MODULE(CastProbe);
+
+TEST(Fsdp2PrepareModel, VersionOneCastsOnlyTheRootsInputsAsFsdp1) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    for (const int64_t version : {int64_t{1}, int64_t{2}}) {
+      CastProbe model;
+      FullyShardedDataParallelPluginArgs args;
+      args.fsdp_version = version;
+      args.auto_wrap_policy = std::string("transformer_based_wrap");
+      args.transformer_cls_names_to_wrap = std::string("RecordingBlock");
+      AcceleratorOptions options;
+      options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+      options.mixed_precision = "bf16";
+      Accelerator accelerator(context, options, EnvironmentMap{});
+      torch::optim::AdamW optimizer(unique_parameters(*model));
+      accelerator.prepare(model, optimizer);
+      EXPECT_EQ(unit_names(*model).size(), 2u) << "version " << version;
+      fsdp::forward(model, torch::randn({3, 4})).sum().backward();
+      EXPECT_EQ(model->seen, torch::kBFloat16) << "version " << version << ": the root casts its inputs";
+      EXPECT_EQ(model->block->seen, version == 1 ? torch::kFloat : torch::kBFloat16) << "version " << version;
+    }
+  });
 }
 
 void expect_prepare_upcasts_to_fp32(const std::string& mixed_precision, c10::ScalarType dtype) {

@@ -288,14 +288,47 @@ TEST(Checkpoint, ARankThatDoesNotSaveIsReportedNotAHang) {
       options);
 }
 
-// Why release_parameter_storage stands in for the meta device: libtorch cannot move a parameter to or
-// from the meta device in place, and a C++ module's typed members only see in-place changes. When
-// this test fails, a libtorch allows the swap and the stand-in can go (docs/engine.md, meta device).
-TEST(Checkpoint, LibtorchCannotMaterializeMetaParametersInPlace) {
-  auto parameter = torch::zeros({3});
-  EXPECT_THROW(parameter.set_data(torch::empty({3}, torch::kMeta)), c10::Error);
-  auto meta = torch::empty({3}, torch::kMeta);
-  EXPECT_THROW(meta.set_data(torch::zeros({3})), c10::Error);
+// FULL loads follow the state dict configs: with rank0_only (Accelerate's FULL default) rank 0 alone
+// reads pytorch_model_fsdp.bin and optimizer.bin and every tensor reaches the others by broadcast on
+// the world group; without it every rank reads both files and nothing crosses the world group. Both
+// resume bit for bit.
+TEST(Checkpoint, FullLoadReadsTheFilesOnRankZeroOnlyWithRank0Only) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(3, [directory](const DistributedContext& context) {
+    Trainer original(context, 11);
+    original.train(context, 0, 2);
+    CheckpointOptions options;
+    options.state_dict_type = StateDictType::kFullStateDict;
+    save_checkpoint(directory, *original.model, *original.optimizer, context, TrainingProgress{}, options);
+    int64_t state_bytes = 0;
+    for (const auto& [name, tensor] : testing::full_parameters(*original.model)) state_bytes += 3 * tensor.numel() * 4;
+    for (const bool rank0_only : {true, false}) {
+      Trainer resumed(context, 99);
+      resumed.train(context, 0, 1);
+      options.state_dict_config.rank0_only = rank0_only;
+      options.optim_state_dict_config.rank0_only = rank0_only;
+      context.world().reset_bytes_sent();
+      load_checkpoint(directory, *resumed.model, *resumed.optimizer, context, options);
+      const int64_t broadcast = context.world().bytes_sent().broadcast;
+      if (rank0_only) {
+        // Rank 0 sent the weights, exp_avg and exp_avg_sq of every parameter (and the steps); the
+        // others only receive, which the counter of bytes sent does not count.
+        if (context.rank() == 0) {
+          EXPECT_GE(broadcast, state_bytes);
+        } else {
+          EXPECT_EQ(broadcast, 0);
+        }
+      } else {
+        EXPECT_EQ(broadcast, 0);
+      }
+      expect_bitwise_equal(*resumed.model, *original.model, rank0_only ? "rank0_only" : "every rank reads");
+      Trainer continued(context, 11);
+      continued.train(context, 0, 2);
+      continued.train(context, 2, 2);
+      resumed.train(context, 2, 2);
+      expect_bitwise_equal(*resumed.model, *continued.model, rank0_only ? "rank0_only, trained on" : "every rank, trained on");
+    }
+  });
 }
 
 TEST(Checkpoint, FullStateDictLoadsIntoAModelWithoutParameterMemory) {

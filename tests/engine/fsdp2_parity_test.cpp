@@ -7,8 +7,9 @@
 // without communication); reshard_after_forward true (FULL_SHARD) and false (SHARD_GRAD_OP) on 2, 3
 // and 4 ranks; HYBRID_SHARD (and HYBRID_SHARD_ZERO2) on two simulated machines of two ranks against
 // FSDP2 on a 2 x 2 device mesh; gradient accumulation (no gradient sync for the first micro-batch of
-// two); bf16 parameters with fp32 reduction (MixedPrecisionPolicy). Tolerances are at
-// kTolerance's comment.
+// two); bf16 parameters with fp32 reduction (MixedPrecisionPolicy). The Fsdp1_ cases run
+// fsdp_version=1 through the Accelerator against PyTorch FSDP1 (FullyShardedDataParallel) as
+// Accelerate builds it from the same plugin. Tolerances are at kTolerance's comment.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -74,6 +75,9 @@ struct ParityCase {
   bool hybrid = false;
   int accumulation = 1;
   bool bf16 = false;
+  /// fsdp_version=1 through the Accelerator (its FSDP1 units: the blocks and the root) against
+  /// PyTorch FSDP1 as Accelerate builds it from the same plugin.
+  bool fsdp1 = false;
 };
 // ctest's test names (CMake 3.25) carry the printed parameter: the case's name keeps them stable.
 void PrintTo(const ParityCase& parity, std::ostream* out) { *out << parity.name; }
@@ -86,6 +90,7 @@ std::string case_json(const ParityCase& parity) {
   json["accumulation"] = parity.accumulation;
   json["bf16"] = parity.bf16;
   json["clip"] = kMaxNorm;
+  json["fsdp1"] = parity.fsdp1;
   return json.dump();
 }
 
@@ -183,19 +188,41 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
     SafetensorsReader initial(directory + "/initial.safetensors");
     for (auto& item : model.root->named_parameters()) item.value().copy_(initial.tensor(item.key()));
   }
-  FullyShardOptions options;
-  options.reshard_after_forward = parity.reshard_after_forward;
-  if (parity.hybrid) {
-    options.sharding_strategy =
-        parity.reshard_after_forward ? ShardingStrategy::kHybridShard : ShardingStrategy::kHybridShardZero2;
+  const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
+  std::unique_ptr<torch::optim::AdamW> optimizer;
+  std::optional<Accelerator> accelerator;
+  if (parity.fsdp1) {
+    // What Accelerate builds for fsdp_version=1 with these plugin fields.
+    FullyShardedDataParallelPluginArgs args;
+    args.fsdp_version = int64_t{1};
+    args.sharding_strategy = std::string(parity.reshard_after_forward ? "FULL_SHARD" : "SHARD_GRAD_OP");
+    args.auto_wrap_policy = std::string("transformer_based_wrap");
+    args.transformer_cls_names_to_wrap = std::string(parity.llama ? "LlamaDecoderLayer" : "ParityBlock");
+    if (parity.bf16) {
+      args.mixed_precision_policy = std::map<std::string, c10::ScalarType>{
+          {"param_dtype", torch::kBFloat16}, {"reduce_dtype", torch::kFloat}, {"buffer_dtype", torch::kBFloat16}};
+    }
+    AcceleratorOptions accelerator_options;
+    accelerator_options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+    accelerator.emplace(context, accelerator_options, EnvironmentMap{});
+    optimizer = std::make_unique<torch::optim::AdamW>(model.root->parameters(), adamw);
+    accelerator->prepare(model.root, *optimizer);
+  } else {
+    FullyShardOptions options;
+    options.reshard_after_forward = parity.reshard_after_forward;
+    if (parity.hybrid) {
+      options.sharding_strategy =
+          parity.reshard_after_forward ? ShardingStrategy::kHybridShard : ShardingStrategy::kHybridShardZero2;
+    }
+    if (parity.bf16) {
+      options.mixed_precision.param_dtype = torch::kBFloat16;
+      options.mixed_precision.reduce_dtype = torch::kFloat;
+    }
+    for (auto& unit : model.units) fully_shard(unit, context, options);
+    fully_shard(model.root, context, options);
+    optimizer = std::make_unique<torch::optim::AdamW>(model.root->parameters(), adamw);
   }
-  if (parity.bf16) {
-    options.mixed_precision.param_dtype = torch::kBFloat16;
-    options.mixed_precision.reduce_dtype = torch::kFloat;
-  }
-  for (auto& unit : model.units) fully_shard(unit, context, options);
-  const auto root = fully_shard(model.root, context, options);
-  torch::optim::AdamW optimizer(model.root->parameters(), torch::optim::AdamWOptions(1e-2).weight_decay(0.01));
+  const auto root = *fsdp_module_of(*model.root);
   SafetensorsReader batches(directory + "/batches.safetensors");
   const int64_t rows = kGlobalBatch / context.world_size();
   const int64_t micro = rows / parity.accumulation;
@@ -213,8 +240,8 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
     const double norm = clip_grad_norm_(*model.root, kMaxNorm);
     EXPECT_GT(norm, kMaxNorm) << "step " << step << ": the clipping under test did not act";
     norms.push_back(norm);
-    optimizer.step();
-    optimizer.zero_grad();
+    optimizer->step();
+    optimizer->zero_grad();
     all_reduce(context.world(), total);
     losses.push_back(total.item<double>() / static_cast<double>(context.world_size()));
   }
@@ -369,6 +396,17 @@ std::vector<ParityCase> parity_cases() {
     add(llama, "HybridShard2x2", 4, true, true, 1, false);
     add(llama, "3ranks_GradientAccumulation", 3, true, false, 2, false);
     add(llama, "2ranks_Bf16ParamsFp32Reduce", 2, true, false, 1, true);
+    // fsdp_version=1 against PyTorch FSDP1.
+    auto fsdp1 = [&](const std::string& name, int world_size, bool reshard, int accumulation, bool bf16) {
+      add(llama, "Fsdp1_" + name, world_size, reshard, false, accumulation, bf16);
+      cases.back().fsdp1 = true;
+    };
+    fsdp1("2ranks_FullShard", 2, true, 1, false);
+    if (!llama) {
+      fsdp1("3ranks_ShardGradOp", 3, false, 1, false);
+      fsdp1("3ranks_GradientAccumulation", 3, true, 2, false);
+      fsdp1("2ranks_Bf16ParamsFp32Reduce", 2, true, 1, true);
+    }
   }
   add(false, "HybridShardZero2_2x2", 4, false, true, 1, false);
   return cases;

@@ -163,6 +163,16 @@ TEST(MetaDevice, ReleasedParametersKeepShapeAndIdentityWithoutMemory) {
   }
 }
 
+// Why materializing replaces a tensor's TensorImpl contents in place rather than calling set_data:
+// libtorch refuses set_data between the meta device and CPU, in both directions (Note [building on
+// the meta device]). When this test fails, a libtorch allows the swap.
+TEST(MetaDevice, LibtorchSetDataRefusesMetaToCpuSwaps) {
+  auto parameter = torch::zeros({3});
+  EXPECT_THROW(parameter.set_data(torch::empty({3}, torch::kMeta)), c10::Error);
+  auto meta = torch::empty({3}, torch::kMeta);
+  EXPECT_THROW(meta.set_data(torch::zeros({3})), c10::Error);
+}
+
 TEST(MetaDevice, MaterializingInsideTheGuardIsAnError) {
   torch::nn::Linear linear{nullptr};
   MetaDeviceGuard meta;

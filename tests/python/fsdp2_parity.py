@@ -9,6 +9,11 @@ DIR/case.json says what to train:
     mesh           [] (1-D over the world) or [replicate, shard] (HSDP on a 2-D device mesh)
     accumulation   micro-batches per step; the first k-1 run with set_requires_gradient_sync(False)
     bf16           MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
+    fsdp1          (optional) PyTorch FSDP1 instead, as Accelerate's version 1 builds it from the plugin's
+                   defaults: FullyShardedDataParallel with ModuleWrapPolicy({Block or LlamaDecoderLayer}),
+                   FULL_SHARD (reshard) or SHARD_GRAD_OP, use_orig_params, no backward or forward
+                   prefetch, limit_all_gathers, MixedPrecision(bf16, fp32, bf16) with bf16; no_sync()
+                   for the first micro-batches and FSDP1's own clip_grad_norm_
     clip           max_norm of clip_grad_norm_ after every step's backward
 DIR/initial.safetensors: the initial weights; DIR/batches.safetensors: "x.<step>" and "y.<step>" global
 batches (for llama "x" holds token ids of sequence length + 1 and there is no "y"). Every rank takes
@@ -81,8 +86,9 @@ def main(directory, output):
     torch.set_num_threads(1)
     case = json.load(open(f"{directory}/case.json"))
     dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     model, units = build(directory, case)
+    if case.get("fsdp1"):
+        return train(directory, output, case, wrap_fsdp1(model, units, case))
     arguments = {"reshard_after_forward": case["reshard"]}
     if case["mesh"]:
         # HSDP: shard over the inner dimension (ranks of one machine), replicate over the outer.
@@ -92,6 +98,27 @@ def main(directory, output):
     for unit in units:
         fully_shard(unit, **arguments)
     fully_shard(model, **arguments)
+    train(directory, output, case, model)
+
+
+def wrap_fsdp1(model, units, case):
+    from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision, ShardingStrategy
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+    unit_type = Block if case["model"] == "mlp" else type(units[0])
+    precision = None
+    if case["bf16"]:
+        precision = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, buffer_dtype=torch.bfloat16)
+    strategy = ShardingStrategy.FULL_SHARD if case["reshard"] else ShardingStrategy.SHARD_GRAD_OP
+    return FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({unit_type}), device_id=torch.device("cpu"),
+                                    use_orig_params=True, sharding_strategy=strategy, mixed_precision=precision,
+                                    backward_prefetch=None, forward_prefetch=False, limit_all_gathers=True)
+    # Accelerate's default backward_prefetch is None (no prefetch), which FSDP1 receives as is.
+
+
+def train(directory, output, case, model):
+    import contextlib
+    rank, world = dist.get_rank(), dist.get_world_size()
+    fsdp1 = bool(case.get("fsdp1"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     batches = load_file(f"{directory}/batches.safetensors")
     steps = len([name for name in batches if name.startswith("x.")])
@@ -105,23 +132,40 @@ def main(directory, output):
         micro = rows // k
         total = torch.zeros(())
         for index in range(k):
-            model.set_requires_gradient_sync(index == k - 1)
             part = slice(index * micro, (index + 1) * micro)
-            loss = micro_loss(model, case, local_x[part], local_y[part]) / k
-            loss.backward()
+            if fsdp1:
+                scope = model.no_sync() if index < k - 1 else contextlib.nullcontext()
+            else:
+                model.set_requires_gradient_sync(index == k - 1)
+                scope = contextlib.nullcontext()
+            with scope:
+                loss = micro_loss(model, case, local_x[part], local_y[part]) / k
+                loss.backward()
             total += loss.detach()
-        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
+        if fsdp1:
+            norm = model.clip_grad_norm_(case["clip"])
+        else:
+            norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
         norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
         optimizer.step()
         optimizer.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
-    full = {name: tensor.full_tensor().contiguous() for name, tensor in model.state_dict().items()}
+    if fsdp1:
+        from torch.distributed.fsdp import FullStateDictConfig, StateDictType
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        # offload_to_cpu=True crashes FSDP1 on CPU in torch 2.13 (tests/python/fsdp1_meta_init.py).
+        config = FullStateDictConfig(offload_to_cpu=False, rank0_only=False)
+        with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
+            full = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
+    else:
+        full = {name: tensor.full_tensor().contiguous() for name, tensor in model.state_dict().items()}
     if rank == 0:
         full["loss"] = torch.tensor(losses, dtype=torch.float64)
         full["norm"] = torch.tensor(norms, dtype=torch.float64)
         save_file(full, f"{directory}/{output}")
-        print(f"fsdp2: {case} on {world} ranks: {steps} steps, loss {losses[0]:.6f} -> {losses[-1]:.6f}")
+        print(f"{'fsdp1' if fsdp1 else 'fsdp2'}: {case} on {world} ranks: {steps} steps, "
+              f"loss {losses[0]:.6f} -> {losses[-1]:.6f}")
     dist.destroy_process_group()
 
 
