@@ -102,6 +102,10 @@ struct FullyShardedDataParallelPluginArgs {
   std::optional<std::variant<bool, std::string>> forward_prefetch;
   /// Env FSDP_ACTIVATION_CHECKPOINTING. Default: false.
   std::optional<std::variant<bool, std::string>> activation_checkpointing;
+  /// Offload each checkpointed block's saved input to host memory (Accelerate's offload_wrapper).
+  /// Requires activation_checkpointing and fsdp_version=2. Env FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD.
+  /// Default: false.
+  std::optional<std::variant<bool, std::string>> activation_checkpointing_offload;
   /// Env FSDP_CPU_RAM_EFFICIENT_LOADING. Default: false.
   std::optional<std::variant<bool, std::string>> cpu_ram_efficient_loading;
   /// A list, or one comma-separated string. Env FSDP_TRANSFORMER_CLS_TO_WRAP. Default: none (the
@@ -138,6 +142,7 @@ struct FullyShardedDataParallelPlugin {
   bool sync_module_states = false;
   bool forward_prefetch = false;
   bool activation_checkpointing = false;
+  bool activation_checkpointing_offload = false;
   bool cpu_ram_efficient_loading = false;
   /// Empty optional: use the model's no-split modules. Whitespace around names is stripped.
   std::optional<std::vector<std::string>> transformer_cls_names_to_wrap;

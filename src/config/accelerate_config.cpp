@@ -137,7 +137,8 @@ const std::vector<std::string>& known_fsdp_config_keys() {
       "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
       "fsdp_min_num_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch",
       "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-      "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_ignored_modules"};
+      "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
+      "fsdp_ignored_modules"};
   return keys;
 }
 
@@ -280,6 +281,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   set_from("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading", std::string("true"), true);
   set_from("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states", std::string("true"), true);
   set_from("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing", std::string("false"), true);
+  set_from("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "fsdp_activation_checkpointing_offload", std::string("false"), true);
   set_from("FSDP_IGNORED_MODULES", "fsdp_ignored_modules", std::nullopt, false);
   if (version == "2") {
     // Accelerate's launcher exports these for every version; version 2 does not read them, so only a

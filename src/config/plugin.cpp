@@ -529,6 +529,18 @@ class Resolver {
   void resolve_remaining_bools() {
     plugin_.activation_checkpointing = parse_bool_setting("activation_checkpointing", args_.activation_checkpointing,
                                                           "FSDP_ACTIVATION_CHECKPOINTING", false);
+    plugin_.activation_checkpointing_offload =
+        parse_bool_setting("activation_checkpointing_offload", args_.activation_checkpointing_offload,
+                           "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", false);
+    // Accelerate's two checks, in its order and with its words, plus where the value came from.
+    TORCH_CHECK(!plugin_.activation_checkpointing_offload || plugin_.activation_checkpointing,
+                "`activation_checkpointing_offload=True` requires `activation_checkpointing=True`. (",
+                "activation_checkpointing_offload from ", plugin_.sources["activation_checkpointing_offload"],
+                "; turn activation_checkpointing on, FSDP_ACTIVATION_CHECKPOINTING=true, or the offload off.)");
+    TORCH_CHECK(!plugin_.activation_checkpointing_offload || plugin_.fsdp_version == 2,
+                "`activation_checkpointing_offload=True` requires `fsdp_version=2`. (activation_checkpointing_offload "
+                "from ", plugin_.sources["activation_checkpointing_offload"], ", fsdp_version ", plugin_.fsdp_version,
+                " from ", plugin_.sources["fsdp_version"], ".)");
     plugin_.cpu_ram_efficient_loading = parse_bool_setting("cpu_ram_efficient_loading", args_.cpu_ram_efficient_loading,
                                                            "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
     plugin_.limit_all_gathers = args_.limit_all_gathers.value_or(true);
@@ -644,6 +656,11 @@ class Resolver {
       auto found = sources.find(field);
       return found == sources.end() ? std::string("default") : found->second;
     };
+    if (plugin_.activation_checkpointing_offload) {
+      warn("activation_checkpointing_offload=true (from " + origin_of("activation_checkpointing_offload") +
+           ") has no effect in this CPU build: the activations a checkpointed block saves are in host memory "
+           "already.");
+    }
     if (plugin_.cpu_offload.offload_params) {
       warn("cpu_offload=true (from " + origin_of("cpu_offload") +
            ") has no effect in this CPU build: sharded parameters, gradients and the optimizer step are in host "
@@ -763,7 +780,8 @@ const std::vector<std::string>& plugin_environment_variables() {
       "FSDP_VERSION", "FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS",
       "FSDP_BACKWARD_PREFETCH", "FSDP_STATE_DICT_TYPE", "FSDP_AUTO_WRAP_POLICY", "FSDP_TRANSFORMER_CLS_TO_WRAP",
       "FSDP_MIN_NUM_PARAMS", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES", "FSDP_FORWARD_PREFETCH",
-      "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_CPU_RAM_EFFICIENT_LOADING", "FSDP_IGNORED_MODULES"};
+      "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "FSDP_CPU_RAM_EFFICIENT_LOADING",
+      "FSDP_IGNORED_MODULES"};
   return variables;
 }
 
@@ -849,6 +867,7 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
   values["sync_module_states"] = sync_module_states;
   values["forward_prefetch"] = forward_prefetch;
   values["activation_checkpointing"] = activation_checkpointing;
+  values["activation_checkpointing_offload"] = activation_checkpointing_offload;
   values["cpu_ram_efficient_loading"] = cpu_ram_efficient_loading;
   values["transformer_cls_names_to_wrap"] =
       transformer_cls_names_to_wrap ? nlohmann::json(*transformer_cls_names_to_wrap) : nlohmann::json(nullptr);

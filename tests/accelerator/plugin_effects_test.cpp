@@ -170,6 +170,12 @@ std::map<std::string, FieldCase> field_cases(int64_t version) {
   cases["forward_prefetch"] = {[](Args& args, EnvironmentMap&) { args.forward_prefetch = true; }, nothing};
   cases["activation_checkpointing"] = {[](Args& args, EnvironmentMap&) { args.activation_checkpointing = true; },
                                        transformer_wrap};
+  cases["activation_checkpointing_offload"] = {
+      [](Args& args, EnvironmentMap&) { args.activation_checkpointing_offload = true; },
+      [](Args& args, EnvironmentMap&) {
+        args.auto_wrap_policy = std::string("transformer_based_wrap");
+        args.activation_checkpointing = true;
+      }};
   cases["cpu_ram_efficient_loading"] = {[](Args& args, EnvironmentMap&) { args.cpu_ram_efficient_loading = true; },
                                         nothing};
   cases["transformer_cls_names_to_wrap"] = {

@@ -264,6 +264,17 @@ std::vector<ResolveCase> resolve_cases() {
   add("ActivationCheckpointingFromEnvironment", none,
       {{"FSDP_ACTIVATION_CHECKPOINTING", "true"}, {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"}},
       [](const Plugin& p) { EXPECT_TRUE(p.activation_checkpointing); });
+  add("ActivationCheckpointingOffloadFromEnvironment", none,
+      {{"FSDP_VERSION", "2"}, {"FSDP_ACTIVATION_CHECKPOINTING", "true"}, {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "yes"},
+       {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"}},
+      [](const Plugin& p) {
+        EXPECT_TRUE(p.activation_checkpointing_offload);
+        EXPECT_EQ(p.sources.at("activation_checkpointing_offload"), "environment variable FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD");
+        ASSERT_EQ(p.warnings.size(), 1u);
+        EXPECT_NE(p.warnings[0].find("activation_checkpointing_offload=true (from environment variable "
+                                     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD) has no effect in this CPU build"),
+                  std::string::npos);
+      });
   // ignored modules
   add("IgnoredModulesRegexFromEnvironment", none, {{"FSDP_IGNORED_MODULES", "model\\.layers\\.[0-3]\\..*"}},
       [](const Plugin& p) { EXPECT_EQ(*p.ignored_modules.name_regex, "model\\.layers\\.[0-3]\\..*"); });
@@ -354,6 +365,14 @@ std::vector<ErrorCase> error_cases() {
        {"empty class name"}},
       {"CheckpointingWithoutWrap", none, {{"FSDP_ACTIVATION_CHECKPOINTING", "true"}},
        {"activation_checkpointing=true", "NO_WRAP", "TRANSFORMER_BASED_WRAP"}},
+      {"CheckpointingOffloadWithoutCheckpointing", none,
+       {{"FSDP_VERSION", "2"}, {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"}},
+       {"`activation_checkpointing_offload=True` requires `activation_checkpointing=True`",
+        "environment variable FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD"}},
+      {"CheckpointingOffloadVersionOne", none,
+       {{"FSDP_ACTIVATION_CHECKPOINTING", "true"}, {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"},
+        {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"}},
+       {"`activation_checkpointing_offload=True` requires `fsdp_version=2`", "fsdp_version 1 from default"}},
       {"V2ForwardPrefetch", [] { Args a; a.fsdp_version = int64_t{2}; a.forward_prefetch = true; return a; }, {},
        {"forward_prefetch=true", "fsdp_version=1"}},
       {"IgnoredModulesBadRegex", none, {{"FSDP_IGNORED_MODULES", "layers.[0-"}}, {"ignored_modules='layers.[0-'", "regular expression"}},
@@ -418,7 +437,7 @@ TEST(Plugin, JsonNamesEveryFieldWithItsSource) {
   for (const char* field : {"fsdp_version", "sharding_strategy", "reshard_after_forward", "backward_prefetch",
                             "mixed_precision_policy", "auto_wrap_policy", "cpu_offload", "ignored_modules", "state_dict_type",
                             "state_dict_config", "optim_state_dict_config", "limit_all_gathers", "use_orig_params",
-                            "param_init_fn", "sync_module_states", "forward_prefetch", "activation_checkpointing",
+                            "param_init_fn", "sync_module_states", "forward_prefetch", "activation_checkpointing", "activation_checkpointing_offload",
                             "cpu_ram_efficient_loading", "transformer_cls_names_to_wrap", "min_num_params"}) {
     EXPECT_NE(json.find(std::string("\"") + field + "\""), std::string::npos) << field;
   }
