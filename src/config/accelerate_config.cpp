@@ -295,6 +295,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   }
   if (mixed_precision_flag) set("ACCELERATE_MIXED_PRECISION", detail::to_lower(*mixed_precision_flag), "--mixed-precision flag");
   else if (config && config->mixed_precision) set("ACCELERATE_MIXED_PRECISION", *config->mixed_precision, "mixed_precision in " + config->path);
+  else set("ACCELERATE_MIXED_PRECISION", "no", "launcher default");  // as accelerate launch exports it
 
   auto describe = [&](const std::string& variable) { return variable + " (from " + result.origins[variable] + ")"; };
   if (version == "1") {
