@@ -4,13 +4,19 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <fstream>
 #include <functional>
+#include <map>
+#include <set>
+
+#include <nlohmann/json.hpp>
 
 #include <fsdp/fsdp.h>
 
 #include "harness/error_message.h"
 #include "harness/parity.h"
 #include "harness/multi_rank.h"
+#include "harness/python_peer.h"
 
 namespace fsdp {
 namespace {
@@ -249,6 +255,116 @@ TEST(Prefetch, TrainingIsBitForBitTheSameWithAndWithoutPrefetch) {
       EXPECT_TRUE(torch::equal(final_parameters[0][index], final_parameters[1][index])) << "parameter " << index;
     }
   });
+}
+
+}  // namespace
+}  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// The order of the collectives of a training step under fsdp_version=1, against PyTorch FSDP1 as
+// Accelerate wraps it (tests/python/fsdp1_collective_order.py): every all-gather and reduce-scatter
+// of the second step, each unit named by its size rank (the units have different sizes, and each
+// side's padding keeps their order), for no backward prefetch, BACKWARD_PRE, and BACKWARD_POST with
+// forward prefetch. FSDP1's BACKWARD_PRE and BACKWARD_POST issue the same sequence (they differ in
+// where the prefetch sits relative to the unit's gradient computation, which the
+// BackwardPrefetchModesIssueTheAllGatherWhereFsdp1Does test above checks); NO_PREFETCH differs.
+struct OrderBlockImpl : torch::nn::Module {
+  explicit OrderBlockImpl(int64_t k)
+      : up(register_module("up", torch::nn::Linear(8, 8 * k))), down(register_module("down", torch::nn::Linear(8 * k, 8))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + fsdp::forward(down, torch::relu(fsdp::forward(up, x))); }
+  torch::nn::Linear up, down;
+};
+TORCH_MODULE(OrderBlock);
+
+struct OrderModelImpl : torch::nn::Module {
+  OrderModelImpl() : input(register_module("input", torch::nn::Linear(3, 8))), head(register_module("head", torch::nn::Linear(8, 2))) {
+    auto list = register_module("blocks", torch::nn::ModuleList());
+    for (int64_t k = 1; k <= 4; ++k) {
+      blocks.emplace_back(k);
+      list->push_back(blocks.back());
+    }
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto hidden = fsdp::forward(input, x);
+    for (auto& block : blocks) hidden = fsdp::forward(block, hidden);
+    return fsdp::forward(head, hidden);
+  }
+  torch::nn::Linear input, head;
+  std::vector<OrderBlock> blocks;
+};
+TORCH_MODULE(OrderModel);
+
+// "AG<i>" / "RS<i>" for each [kind, size], i the rank of the size among that kind's sizes.
+std::vector<std::string> by_size_rank(const std::vector<std::pair<std::string, int64_t>>& events) {
+  std::map<std::string, std::set<int64_t>> sizes;
+  for (const auto& [kind, size] : events) sizes[kind].insert(size);
+  std::vector<std::string> tokens;
+  for (const auto& [kind, size] : events) {
+    const auto& ordered = sizes[kind];
+    const auto rank = std::distance(ordered.begin(), ordered.find(size));
+    tokens.push_back((kind == "all_gather" ? "AG" : "RS") + std::to_string(rank));
+  }
+  return tokens;
+}
+
+TEST(Prefetch, VersionOneIssuesCollectivesInPyTorchFsdp1sOrder) {
+  const std::string directory = testing::shared_temporary_directory();
+  const std::vector<std::tuple<std::string, std::string, bool>> cases = {
+      {"NO_PREFETCH", "NO_PREFETCH", false},
+      {"BACKWARD_PRE", "BACKWARD_PRE", false},
+      {"BACKWARD_POST_FORWARD_PREFETCH", "BACKWARD_POST", true}};
+  if (!testing::is_rank_process()) {
+    testing::PythonOptions options;
+    options.world_size = 2;
+    ASSERT_TRUE(testing::run_python("fsdp1_collective_order.py", {directory + "/fsdp1.json"}, options).ok);
+  }
+  testing::run_on_ranks(2, [&](const DistributedContext& context) {
+    nlohmann::json ours;
+    for (const auto& [name, backward_prefetch, forward_prefetch] : cases) {
+      torch::manual_seed(0);
+      OrderModel model;
+      FullyShardedDataParallelPluginArgs args;
+      args.fsdp_version = int64_t{1};
+      args.auto_wrap_policy = std::string("transformer_based_wrap");
+      args.transformer_cls_names_to_wrap = std::string("OrderBlock");
+      args.backward_prefetch = backward_prefetch;
+      args.forward_prefetch = forward_prefetch;
+      AcceleratorOptions options;
+      options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+      Accelerator accelerator(context, options, EnvironmentMap{});
+      torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
+      accelerator.prepare(model, optimizer);
+      for (int step = 0; step < 2; ++step) {
+        if (step == 1) context.world().start_trace();
+        fsdp::forward(model, torch::randn({4, 3})).sum().backward();
+        optimizer.zero_grad();
+      }
+      nlohmann::json events = nlohmann::json::array();
+      for (const auto& entry : context.world().stop_trace()) {
+        const auto space = entry.find(' ');
+        const auto kind = entry.substr(0, space);
+        if (kind == "all_gather" || kind == "reduce_scatter") events.push_back({kind, std::stoll(entry.substr(space + 1))});
+      }
+      ours[name] = events;
+    }
+    if (context.rank() == 0) std::ofstream(directory + "/ours.json") << ours.dump();
+  });
+  if (testing::is_rank_process()) return;
+  nlohmann::json theirs, ours;
+  std::ifstream(directory + "/fsdp1.json") >> theirs;
+  std::ifstream(directory + "/ours.json") >> ours;
+  for (const auto& [name, backward_prefetch, forward_prefetch] : cases) {
+    auto tokens = [](const nlohmann::json& events) {
+      std::vector<std::pair<std::string, int64_t>> list;
+      for (const auto& event : events) list.emplace_back(event[0].get<std::string>(), event[1].get<int64_t>());
+      return by_size_rank(list);
+    };
+    const auto expected = tokens(theirs[name]);
+    ASSERT_EQ(expected.size(), 14u) << name << ": FSDP1 gathers the 5 units in forward, 4 again in backward, and reduces 5";
+    EXPECT_EQ(tokens(ours[name]), expected) << name;
+  }
 }
 
 }  // namespace
