@@ -22,6 +22,8 @@ namespace fsdp {
 void save_torch_file(const std::string& path, const c10::IValue& value);
 /// Reads a torch.save file. Errors name the file.
 c10::IValue load_torch_file(const std::string& path);
+/// The same for a torch.save archive in memory (an item of a DCP .distcp file); `source` names it.
+c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& source);
 
 /// A tensor with a shape and dtype but no data: describes a file's structure for save_torch_file_streaming.
 at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType dtype);

@@ -60,7 +60,7 @@ Command add_merge_command(CLI::App& parent) {
   auto options = std::make_shared<MergeOptions>();
   auto unsafe = std::make_shared<bool>(false);
   auto max_shard_size = std::make_shared<std::string>();
-  app->add_option("checkpoint_dir", *checkpoint_dir, "The sharded directory, e.g. CHECKPOINT/pytorch_model_fsdp_0")
+  app->add_option("checkpoint_dir", *checkpoint_dir, "The sharded directory (fsdp.cpp's, or a PyTorch DCP model directory), e.g. CHECKPOINT/pytorch_model_fsdp_0")
       ->required();
   app->add_option("output_path", *output_path, "Directory for the merged files (created with its parents)")->required();
   app->add_flag("--unsafe-serialization,--unsafe_serialization", *unsafe,

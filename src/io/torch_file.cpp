@@ -92,6 +92,10 @@ c10::IValue load_torch_file(const std::string& path) {
   std::ifstream file(path, std::ios::binary);
   TORCH_CHECK(file, "cannot open torch file '", path, "'");
   std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return load_torch_bytes(bytes, path);
+}
+
+c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& path) {
   try {
     return torch::pickle_load(bytes);
   } catch (const c10::Error& error) {

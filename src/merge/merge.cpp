@@ -14,6 +14,8 @@
 #include <fsdp/torch_file.h>
 
 #include "checkpoint/agreement.h"
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp_reader.h"
 #include "checkpoint/hf_shards.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
@@ -39,12 +41,14 @@ void check_input(const std::string& checkpoint_dir) {
                   !fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.safetensors"),
               "merge: '", checkpoint_dir, "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "
               "the full weights, so there is nothing to merge");
+  // A PyTorch distributed checkpoint (what Accelerate's FSDP2 saves): read by DcpDirectoryReader.
+  if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile) && detail::is_dcp_directory(checkpoint_dir)) return;
   if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
-    // A PyTorch DCP directory: the reader explains what it is and what to do instead.
-    if (fs::exists(fs::path(checkpoint_dir) / ".metadata")) ShardedDirectoryReader{checkpoint_dir};
     std::vector<std::string> sharded;
     for (const auto& item : fs::directory_iterator(checkpoint_dir)) {
-      if (item.is_directory() && fs::exists(item.path() / kShardedMetadataFile)) sharded.push_back(item.path().filename());
+      if (item.is_directory() && (fs::exists(item.path() / kShardedMetadataFile) || detail::is_dcp_directory(item.path().string()))) {
+        sharded.push_back(item.path().filename());
+      }
     }
     std::sort(sharded.begin(), sharded.end());
     std::string list;
@@ -65,7 +69,8 @@ void check_input(const std::string& checkpoint_dir) {
 using Output = detail::ShardFile;
 
 /// Writes the rows of `name` into `writer`, at most kReadBufferBytes at a time.
-void stream_tensor(const ShardedDirectoryReader& reader, const std::string& name, const ByteWriter& writer,
+template <typename Reader>
+void stream_tensor(const Reader& reader, const std::string& name, const ByteWriter& writer,
                    const std::function<void(int64_t)>& advance) {
   const auto shape = reader.shape(name);
   if (shape.empty()) {
@@ -88,90 +93,9 @@ void stream_tensor(const ShardedDirectoryReader& reader, const std::string& name
   }
 }
 
-}  // namespace
-
-int64_t parse_byte_size(const std::string& text) {
-  static const std::vector<std::pair<std::string, double>> units = {
-      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0},
-      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
-      {"B", 1.0}};
-  std::string upper;
-  for (char c : text) {
-    if (c != ' ') upper += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  }
-  double factor = 1.0;
-  std::string number = upper;
-  for (const auto& [unit, value] : units) {
-    if (upper.size() > unit.size() && upper.compare(upper.size() - unit.size(), unit.size(), unit) == 0) {
-      factor = value;
-      number = upper.substr(0, upper.size() - unit.size());
-      break;
-    }
-  }
-  size_t used = 0;
-  double amount = 0;
-  try {
-    amount = std::stod(number, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  TORCH_CHECK(used == number.size() && !number.empty() && std::isfinite(amount) && amount * factor >= 1 &&
-                  amount * factor < 9.2e18,
-              "'", text, "' is not a size; write a number of at least 1 byte with an optional unit, e.g. 5GB, 500MB, "
-              "2GiB or 1000000");
-  return static_cast<int64_t>(amount * factor);
-}
-
-MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
-                               bool safe_serialization, bool remove_checkpoint_dir) {
-  MergeOptions options;
-  options.safe_serialization = safe_serialization;
-  options.remove_checkpoint_dir = remove_checkpoint_dir;
-  return merge_fsdp_weights(checkpoint_dir, output_path, options);
-}
-
-MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
-                               const MergeOptions& options, const DistributedContext& context) {
-  MergeResult result;
-  // Rank 0 merges inside the agreement, so its failure is every rank's error and nobody waits forever.
-  detail::run_on_every_rank(context, [&] {
-    if (context.rank() == 0) result = merge_fsdp_weights(checkpoint_dir, output_path, options);
-  });
-  nlohmann::json summary;
-  if (context.rank() == 0) summary = {{"files", result.files}, {"tensors", result.tensors}, {"bytes", result.bytes}};
-  summary = nlohmann::json::parse(detail::broadcast_string(context, context.rank() == 0 ? summary.dump() : "", 0));
-  result.files = summary["files"].get<std::vector<std::string>>();
-  result.tensors = summary["tensors"].get<int64_t>();
-  result.bytes = summary["bytes"].get<int64_t>();
-  return result;
-}
-
-MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
-                               const MergeOptions& options) {
-  // Only RANK and WORLD_SIZE matter here: a local merge must not fail on unrelated variables.
-  const auto environment = current_process_environment();
-  auto integer_of = [&](const char* name) -> int64_t {
-    auto found = environment.find(name);
-    if (found == environment.end()) return -1;
-    try {
-      return std::stoll(found->second);
-    } catch (const std::exception&) {
-      return -1;
-    }
-  };
-  const int64_t rank = integer_of("RANK");
-  const int64_t world_size = integer_of("WORLD_SIZE");
-  TORCH_CHECK(world_size <= 1 || rank <= 0, "merge_fsdp_weights: called on rank ", rank, " of ", world_size,
-              " without a DistributedContext, so this rank would write the same files as rank 0. Call it on the main "
-              "process only, or pass the context (merge_fsdp_weights(checkpoint_dir, output_path, options, context)): "
-              "rank 0 then merges and the others wait, as Accelerate does");
-  check_input(checkpoint_dir);
-  TORCH_CHECK(options.max_shard_size >= 0, "merge: max_shard_size must be positive (or 0 for one file), got ",
-              options.max_shard_size);
-  TORCH_CHECK(options.safe_serialization || options.max_shard_size == 0,
-              "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
-  ShardedDirectoryReader reader(checkpoint_dir);
-  const auto extra = nlohmann::json::parse(reader.extra_json());
+template <typename Reader>
+MergeResult write_merged(const Reader& reader, const nlohmann::json& extra, const std::string& checkpoint_dir,
+                         const std::string& output_path, const MergeOptions& options) {
   const bool optimizer = extra.contains("optimizer");
   const std::string stem = optimizer ? "optimizer" : "model";
 
@@ -308,6 +232,102 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
   }
   if (options.progress && total == 0) options.progress(0, 0);
   return result;
+}
+
+}  // namespace
+
+int64_t parse_byte_size(const std::string& text) {
+  static const std::vector<std::pair<std::string, double>> units = {
+      {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0},
+      {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
+      {"B", 1.0}};
+  std::string upper;
+  for (char c : text) {
+    if (c != ' ') upper += static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  }
+  double factor = 1.0;
+  std::string number = upper;
+  for (const auto& [unit, value] : units) {
+    if (upper.size() > unit.size() && upper.compare(upper.size() - unit.size(), unit.size(), unit) == 0) {
+      factor = value;
+      number = upper.substr(0, upper.size() - unit.size());
+      break;
+    }
+  }
+  size_t used = 0;
+  double amount = 0;
+  try {
+    amount = std::stod(number, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  TORCH_CHECK(used == number.size() && !number.empty() && std::isfinite(amount) && amount * factor >= 1 &&
+                  amount * factor < 9.2e18,
+              "'", text, "' is not a size; write a number of at least 1 byte with an optional unit, e.g. 5GB, 500MB, "
+              "2GiB or 1000000");
+  return static_cast<int64_t>(amount * factor);
+}
+
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               bool safe_serialization, bool remove_checkpoint_dir) {
+  MergeOptions options;
+  options.safe_serialization = safe_serialization;
+  options.remove_checkpoint_dir = remove_checkpoint_dir;
+  return merge_fsdp_weights(checkpoint_dir, output_path, options);
+}
+
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               const MergeOptions& options, const DistributedContext& context) {
+  MergeResult result;
+  // Rank 0 merges inside the agreement, so its failure is every rank's error and nobody waits forever.
+  detail::run_on_every_rank(context, [&] {
+    if (context.rank() == 0) result = merge_fsdp_weights(checkpoint_dir, output_path, options);
+  });
+  nlohmann::json summary;
+  if (context.rank() == 0) summary = {{"files", result.files}, {"tensors", result.tensors}, {"bytes", result.bytes}};
+  summary = nlohmann::json::parse(detail::broadcast_string(context, context.rank() == 0 ? summary.dump() : "", 0));
+  result.files = summary["files"].get<std::vector<std::string>>();
+  result.tensors = summary["tensors"].get<int64_t>();
+  result.bytes = summary["bytes"].get<int64_t>();
+  return result;
+}
+
+MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
+                               const MergeOptions& options) {
+  // Only RANK and WORLD_SIZE matter here: a local merge must not fail on unrelated variables.
+  const auto environment = current_process_environment();
+  auto integer_of = [&](const char* name) -> int64_t {
+    auto found = environment.find(name);
+    if (found == environment.end()) return -1;
+    try {
+      return std::stoll(found->second);
+    } catch (const std::exception&) {
+      return -1;
+    }
+  };
+  const int64_t rank = integer_of("RANK");
+  const int64_t world_size = integer_of("WORLD_SIZE");
+  TORCH_CHECK(world_size <= 1 || rank <= 0, "merge_fsdp_weights: called on rank ", rank, " of ", world_size,
+              " without a DistributedContext, so this rank would write the same files as rank 0. Call it on the main "
+              "process only, or pass the context (merge_fsdp_weights(checkpoint_dir, output_path, options, context)): "
+              "rank 0 then merges and the others wait, as Accelerate does");
+  check_input(checkpoint_dir);
+  TORCH_CHECK(options.max_shard_size >= 0, "merge: max_shard_size must be positive (or 0 for one file), got ",
+              options.max_shard_size);
+  TORCH_CHECK(options.safe_serialization || options.max_shard_size == 0,
+              "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
+  if (detail::is_dcp_directory(checkpoint_dir) && !fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
+    detail::DcpDirectoryReader reader(checkpoint_dir);
+    if (!reader.byte_item_keys().empty()) {
+      TORCH_CHECK(false, "merge: '", checkpoint_dir, "' is a DCP checkpoint with ", reader.byte_item_keys().size(),
+                  " non-tensor items (such as '", reader.byte_item_keys().front(),
+                  "': an optimizer's steps or hyper-parameters), which fsdp.cpp does not merge yet; merge the model "
+                  "directory (pytorch_model_fsdp_0)");
+    }
+    return write_merged(reader, nlohmann::json::object(), checkpoint_dir, output_path, options);
+  }
+  ShardedDirectoryReader reader(checkpoint_dir);
+  return write_merged(reader, nlohmann::json::parse(reader.extra_json()), checkpoint_dir, output_path, options);
 }
 
 }  // namespace fsdp

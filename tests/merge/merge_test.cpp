@@ -129,12 +129,14 @@ TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
                "is a checkpoint, not a sharded directory; merge one of its sharded directories: optimizer_0, "
                "pytorch_model_fsdp_0");
 
-  // What Accelerate writes for SHARDED_STATE_DICT under PyTorch (DCP): named, not mistaken for ours.
+  // A PyTorch DCP directory whose .metadata is not a pickle: read as DCP, and refused by name.
   fs::create_directories(root + "/dcp/pytorch_model_fsdp_0");
   std::ofstream(root + "/dcp/pytorch_model_fsdp_0/.metadata") << "pickle";
   std::ofstream(root + "/dcp/pytorch_model_fsdp_0/__0_0.distcp") << "tensor bytes";
   expect_error([&] { merge_fsdp_weights(root + "/dcp/pytorch_model_fsdp_0", root + "/out"); },
-               "is a PyTorch DCP checkpoint (.metadata and .distcp files), which fsdp.cpp does not read yet");
+               "pytorch_model_fsdp_0/.metadata': pickle byte 0: opcode 0x70 is not one the restricted reader knows");
+  expect_error([&] { merge_fsdp_weights(root + "/dcp", root + "/out"); },
+               "is a checkpoint, not a sharded directory; merge one of its sharded directories: pytorch_model_fsdp_0");
 
   fs::rename(checkpoint + "/checkpoint_complete.json", checkpoint + "/marker.away");
   expect_error([&] { merge_fsdp_weights(model_dir, root + "/out"); }, "is incomplete");
@@ -275,6 +277,72 @@ TEST(Merge, ParsesByteSizes) {
   EXPECT_EQ(parse_byte_size("1000"), 1000);
   EXPECT_NE(testing::error_message_of([] { parse_byte_size("-5GB"); }).find("is not a size"), std::string::npos);
   EXPECT_NE(testing::error_message_of([] { parse_byte_size("GB"); }).find("is not a size"), std::string::npos);
+}
+
+
+// Accelerate's checkpoints under FSDP2 are DCP directories (tests/python/dcp_fixture.py saves them as
+// Accelerate does, on 2 and 3 ranks, uneven shards and an empty chunk included): merge_fsdp_weights
+// writes what accelerate.utils.merge_fsdp_weights writes from the same directory, compared in
+// Python (tests/python/accelerate_merge.py): the same keys with the single top-level "model" key
+// stripped, bitwise the same tensors, {"format": "pt"}, for both serializations (and for
+// safetensors, the same file byte for byte).
+class MergeDcp : public ::testing::TestWithParam<int> {};
+
+TEST_P(MergeDcp, OutputEqualsAcceleratesMergeFsdpWeights) {
+  const auto root = testing::shared_temporary_directory();
+  testing::PythonOptions options;
+  options.world_size = GetParam();
+  ASSERT_TRUE(testing::run_python("dcp_fixture.py", {root}, options).ok);
+  const auto model_dir = root + "/pytorch_model_fsdp_0";
+  ASSERT_TRUE(testing::run_python("accelerate_merge.py", {"merge", model_dir, root + "/theirs"}).ok);
+  const auto safe = merge_fsdp_weights(model_dir, root + "/ours_safe");
+  EXPECT_EQ(safe.tensors, 7);
+  MergeOptions unsafe;
+  unsafe.safe_serialization = false;
+  merge_fsdp_weights(model_dir, root + "/ours_bin", unsafe);
+  auto compared = testing::run_python(
+      "accelerate_merge.py", {"compare", root + "/ours_safe/model.safetensors", root + "/theirs/safe/model.safetensors"});
+  ASSERT_TRUE(compared.ok);
+  EXPECT_NE(compared.output[0].find("7 tensors equal; files byte for byte the same"), std::string::npos) << compared.output[0];
+  ASSERT_TRUE(testing::run_python("accelerate_merge.py", {"compare", root + "/ours_bin/pytorch_model.bin",
+                                                           root + "/theirs/bin/pytorch_model.bin"})
+                  .ok);
+  // And both equal PyTorch's own full state dict of the trained model.
+  SafetensorsReader merged(root + "/ours_safe/model.safetensors");
+  for (const auto& [name, tensor] : read_safetensors(root + "/full_model.safetensors")) {
+    EXPECT_TRUE(torch::equal(merged.tensor(name), tensor)) << name;
+  }
+  // The optimizer directory holds non-tensor items, which are named.
+  const auto message = testing::error_message_of([&] { merge_fsdp_weights(root + "/optimizer_0", root + "/optimizer_out"); });
+  EXPECT_NE(message.find("non-tensor items (such as 'optimizer.param_groups.0.lr'"), std::string::npos) << message;
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, MergeDcp, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
+
+// A DCP directory whose data file was cut short or replaced: a named error, and nothing removed.
+TEST(MergeDcpDamaged, ATruncatedOrMissingDataFileIsNamedAndTheInputStays) {
+  const auto root = testing::shared_temporary_directory();
+  testing::PythonOptions options;
+  options.world_size = 2;
+  ASSERT_TRUE(testing::run_python("dcp_fixture.py", {root}, options).ok);
+  const auto model_dir = root + "/pytorch_model_fsdp_0";
+  const auto data = model_dir + "/__1_0.distcp";
+  const auto size = fs::file_size(data);
+  fs::resize_file(data, size / 2);
+  MergeOptions remove;
+  remove.remove_checkpoint_dir = true;
+  auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out", remove); });
+  EXPECT_NE(message.find("__1_0.distcp' bytes "), std::string::npos) << message;
+  EXPECT_NE(message.find("runs past the end of the file"), std::string::npos) << message;
+  EXPECT_TRUE(fs::exists(model_dir + "/.metadata")) << "a failed merge never deletes its input";
+  EXPECT_FALSE(fs::exists(root + "/out/model.safetensors"));
+  fs::remove(data);
+  fs::create_directory(data);  // a directory where the data file should be
+  message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out", remove); });
+  EXPECT_NE(message.find("'__1_0.distcp', which the metadata names for 'model."), std::string::npos) << message;
+  EXPECT_NE(message.find("is not a regular file in the directory"), std::string::npos) << message;
+  EXPECT_TRUE(fs::exists(model_dir));
 }
 
 }  // namespace

@@ -1,0 +1,61 @@
+// The tensors of a PyTorch distributed checkpoint (DCP) directory as one TensorSource: what
+// dcp_to_torch_save and Accelerate's merge_fsdp_weights read, chunk by chunk from the `.distcp`
+// files. A chunk is one torch.save archive at (offset, length) of its file (`../shared/reference/
+// pytorch-fsdp-internals.md` §3.3): each offset and length is checked against the file, the file
+// must be a regular file inside the directory, and the archive must hold a tensor of the chunk's
+// dtype and sizes. At most one chunk is held in memory beyond what the caller asks for.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include <fsdp/state_dict.h>
+
+#include "checkpoint/dcp_metadata.h"
+
+namespace fsdp::detail {
+
+class DcpDirectoryReader : public TensorSource {
+ public:
+  /// With `unwrap_single_key`, a checkpoint whose state dict has one top-level key ({"model":
+  /// {...}}, as Accelerate saves) is read under the names inside it ("0.weight"), as Accelerate's
+  /// merge does; otherwise under the flattened keys ("model.0.weight").
+  explicit DcpDirectoryReader(const std::string& directory, bool unwrap_single_key = true);
+  bool contains(const std::string& name) const override;
+  std::vector<int64_t> shape(const std::string& name) const override;
+  at::Tensor rows(const std::string& name, int64_t row_begin, int64_t row_count) const override;
+  size_t size() const override { return names_.size(); }
+  std::string description() const override { return "DCP checkpoint directory '" + directory_ + "'"; }
+  /// The raw bytes of rows [row_begin, row_begin + row_count) into `destination`.
+  void read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const;
+  /// Tensor names in the metadata's order.
+  const std::vector<std::string>& names() const { return names_; }
+  /// The safetensors dtype name ("F32", "BF16", ...).
+  std::string dtype(const std::string& name) const;
+  c10::ScalarType scalar_type(const std::string& name) const;
+  /// Keys of the non-tensor items (optimizer steps stored as numbers, hyper-parameters), flattened.
+  const std::vector<std::string>& byte_item_keys() const { return byte_item_keys_; }
+  const DcpMetadata& metadata() const { return metadata_; }
+
+ private:
+  const DcpTensor& tensor(const std::string& name) const;
+  at::Tensor load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
+
+  std::string directory_;
+  DcpMetadata metadata_;
+  std::vector<std::string> names_;
+  std::map<std::string, std::string> keys_;  // name -> flattened key
+  std::vector<std::string> byte_item_keys_;
+  // The last chunk loaded, for reads of consecutive rows of one large chunk.
+  mutable std::mutex cache_mutex_;
+  mutable std::string cached_key_;
+  mutable size_t cached_chunk_ = 0;
+  mutable at::Tensor cached_;
+};
+
+}  // namespace fsdp::detail
