@@ -7,6 +7,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
 
 #include <fsdp/collectives.h>
@@ -215,6 +216,31 @@ void ShardedDirectoryReader::open() {
     }
     names_.push_back(name);
     tensors_[name] = std::move(entry);
+  }
+  // Every byte of every rank file must be accounted for by the metadata: a metadata.json that lists
+  // fewer tensors than the files hold (an interrupted save, files mixed from two saves) would
+  // otherwise merge or load part of the checkpoint without a word, and a merge with
+  // --remove-checkpoint-dir would then delete the rest.
+  std::set<std::pair<std::string, std::string>> listed;
+  for (const auto& [name, entry] : tensors_) {
+    for (const auto& chunk : entry.chunks) listed.emplace(chunk.file, name);
+  }
+  for (int64_t rank = 0; rank < world_size_; ++rank) {
+    char file_name[32];
+    std::snprintf(file_name, sizeof(file_name), "rank_%05lld.safetensors", static_cast<long long>(rank));
+    const auto path = std::filesystem::path(directory) / file_name;
+    if (!files_.count(file_name)) {
+      if (!std::filesystem::exists(path)) continue;  // a rank that held nothing writes no file
+      files_[file_name] = std::make_shared<SafetensorsReader>(path.string());
+    }
+    for (const auto& info : files_[file_name]->header().tensors) {
+      // A rank that owns no rows of a tensor writes it empty, and the metadata leaves it out.
+      if (info.end == info.begin) continue;
+      TORCH_CHECK(listed.count({file_name, info.name}), "'", file_name, "' in '", directory, "' holds tensor '",
+                  info.name, "', which ", kShardedMetadataFile, " does not list (it lists ", tensors_.size(),
+                  " tensors): the metadata and the rank files disagree, so the directory is not one complete save. "
+                  "Nothing was read; use another checkpoint");
+    }
   }
 }
 

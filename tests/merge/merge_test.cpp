@@ -7,6 +7,8 @@
 #include <filesystem>
 #include <fstream>
 
+#include <nlohmann/json.hpp>
+
 #include <fsdp/fsdp.h>
 
 #include "harness/parity.h"
@@ -279,6 +281,40 @@ TEST(Merge, ParsesByteSizes) {
   EXPECT_NE(testing::error_message_of([] { parse_byte_size("GB"); }).find("is not a size"), std::string::npos);
 }
 
+
+// Issue "Reliability": a metadata.json that lists fewer tensors than the rank files hold (or none)
+// once merged "0 tensors" and then removed the directory. Every byte of the rank files must be
+// accounted for, or nothing is merged and nothing is removed.
+TEST(Merge, MetadataThatDoesNotListEveryTensorOfTheRankFilesIsRefusedAndNothingIsRemoved) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2);
+  if (testing::is_rank_process()) return;
+  const auto model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
+  const auto metadata_path = model_dir + "/metadata.json";
+  nlohmann::json original;
+  std::ifstream(metadata_path) >> original;
+  ASSERT_GT(original["tensors"].size(), 1u);
+  MergeOptions remove;
+  remove.remove_checkpoint_dir = true;
+  for (const bool none : {false, true}) {
+    auto changed = original;
+    if (none) {
+      changed["tensors"] = nlohmann::json::array();
+    } else {
+      changed["tensors"].erase(changed["tensors"].begin());
+    }
+    std::ofstream(metadata_path) << changed.dump();
+    const auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out", remove); });
+    EXPECT_NE(message.find("which metadata.json does not list (it lists " + std::to_string(changed["tensors"].size()) +
+                           " tensors): the metadata and the rank files disagree"),
+              std::string::npos)
+        << message;
+    EXPECT_TRUE(fs::exists(model_dir + "/rank_00000.safetensors")) << "the input must stay";
+    EXPECT_FALSE(fs::exists(root + "/out/model.safetensors"));
+  }
+  std::ofstream(metadata_path) << original.dump();
+  EXPECT_EQ(merge_fsdp_weights(model_dir, root + "/out").tensors, static_cast<int64_t>(original["tensors"].size()));
+}
 
 // Accelerate's checkpoints under FSDP2 are DCP directories (tests/python/dcp_fixture.py saves them as
 // Accelerate does, on 2 and 3 ranks, uneven shards and an empty chunk included): merge_fsdp_weights
