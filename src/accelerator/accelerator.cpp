@@ -248,10 +248,19 @@ std::string Accelerator::save_state(const TrainingProgress& progress) {
   const auto directory = (fs::path(project_dir_) / "checkpoints" / ("checkpoint_" + std::to_string(number))).string();
   save_state(directory, progress);
   if (is_main_process() && total_limit_ > 0) {
-    auto all = automatic_checkpoints(project_dir_);
-    while (static_cast<int64_t>(all.size()) > total_limit_) {
-      fs::remove_all(all.front().second);
-      all.erase(all.begin());
+    // Keep the total_limit newest complete checkpoints. An incomplete one (a save that crashed) does
+    // not count, so it never pushes out the last complete checkpoint before it; it goes only once it
+    // is older than every checkpoint kept.
+    const auto all = automatic_checkpoints(project_dir_);
+    std::vector<int64_t> complete;
+    for (const auto& [checkpoint_number, path] : all) {
+      if (is_complete_checkpoint(path.string())) complete.push_back(checkpoint_number);
+    }
+    if (static_cast<int64_t>(complete.size()) > total_limit_) {
+      const int64_t oldest_kept = complete[complete.size() - static_cast<size_t>(total_limit_)];
+      for (const auto& [checkpoint_number, path] : all) {
+        if (checkpoint_number < oldest_kept) fs::remove_all(path);
+      }
     }
   }
   wait_for_everyone();

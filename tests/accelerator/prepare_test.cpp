@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <unistd.h>
+
+#include <filesystem>
+
 #include <fsdp/fsdp.h>
 #include <fsdp/models/llama.h>
 
@@ -374,6 +378,50 @@ TEST(AcceleratorPrepare, LlamaBuiltOnTheMetaDeviceGetsItsOwnInitialization) {
     optimizer.step();
     EXPECT_TRUE(std::isfinite(loss.item<double>()));
   });
+}
+
+// Checkpoint rotation (total_limit) counts complete checkpoints only: after saves that crashed (no
+// completion marker), the newest complete checkpoint before them is kept, and latest_checkpoint
+// finds the newest complete one. Issue "Reliability": incomplete checkpoints used to count, and a
+// resume after a crash deleted the only complete older checkpoint.
+TEST(AcceleratorSaveState, RotationCountsCompleteCheckpointsOnly) {
+  namespace fs = std::filesystem;
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  const auto project = fs::temp_directory_path() / ("fsdp_rotation_" + std::to_string(::getpid()));
+  fs::remove_all(project);
+  testing::MlpStack model;
+  torch::optim::AdamW optimizer(unique_parameters(*model));
+  FullyShardedDataParallelPluginArgs args;
+  AcceleratorOptions options;
+  options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
+  options.project_dir = project.string();
+  options.total_limit = 2;
+  Accelerator accelerator(context, options, EnvironmentMap{});
+  accelerator.prepare(model, optimizer);
+  auto checkpoint = [&](int number) { return project / "checkpoints" / ("checkpoint_" + std::to_string(number)); };
+  for (int save = 0; save < 3; ++save) accelerator.save_state(TrainingProgress{});
+  EXPECT_FALSE(fs::exists(checkpoint(0)));
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(1).string()));
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(2).string()));
+  // Two saves that crash before their marker.
+  for (const int number : {3, 4}) {
+    EXPECT_EQ(accelerator.save_state(TrainingProgress{}), checkpoint(number).string());
+    fs::remove(checkpoint(number) / "checkpoint_complete.json");
+  }
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(2).string())) << "the newest complete checkpoint was deleted";
+  accelerator.save_state(TrainingProgress{});
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(2).string()));
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(5).string()));
+  EXPECT_FALSE(fs::exists(checkpoint(1)));
+  EXPECT_EQ(accelerator.latest_checkpoint(), checkpoint(5).string());
+  // Once two complete checkpoints are newer, the incomplete ones before them go too.
+  accelerator.save_state(TrainingProgress{});
+  EXPECT_FALSE(fs::exists(checkpoint(2)));
+  EXPECT_FALSE(fs::exists(checkpoint(3)));
+  EXPECT_FALSE(fs::exists(checkpoint(4)));
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(5).string()));
+  EXPECT_TRUE(is_complete_checkpoint(checkpoint(6).string()));
+  fs::remove_all(project);
 }
 
 TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
