@@ -129,6 +129,22 @@ TEST_F(TrainLlama, BadFlagsAreErrors) {
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_NE(result.output.find("--eval-only needs --init-from"), std::string::npos) << result.output;
   EXPECT_EQ(run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --no-such-flag").exit_code, 2);
+  // Nonsense values are errors naming the flag and the value (they used to run, issue Reliability).
+  for (const auto& [flags, expected] : std::vector<std::pair<std::string, std::string>>{
+           {"--steps 0", "--steps: must be positive, got 0"},
+           {"--steps -5", "--steps: must be positive, got -5"},
+           {"--seq-len 0", "--seq-len: must be positive, got 0"},
+           {"--checkpoint-every -1", "--checkpoint-every: must be 0 or positive, got -1"},
+           {"--warmup-steps -3", "--warmup-steps: must be 0 or positive, got -3"},
+           {"--eval-every -1", "--eval-every: must be 0 or positive, got -1"},
+           {"--micro-batch-size -2", "--micro-batch-size: must be 0 or positive, got -2"},
+           {"--lr nan", "--lr: must be positive, got nan"},
+           {"--global-batch-size x", "--global-batch-size: expected a number, got 'x'"}}) {
+    result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags + " --output-dir " + (root_ / "y").string());
+    EXPECT_EQ(result.exit_code, 2) << flags << ": " << result.output;
+    EXPECT_NE(result.output.find(expected), std::string::npos) << flags << ": " << result.output;
+  }
+  EXPECT_FALSE(std::filesystem::exists(root_ / "y")) << "a refused run writes nothing";
 }
 
 }  // namespace

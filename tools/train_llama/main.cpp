@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <cerrno>
+#include <cmath>
 #include <chrono>
 #include <cstring>
 #include <map>
@@ -111,6 +112,28 @@ void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
 }
 
 /// Rank 0 loads the weights; every rank learns whether that worked before the next collective.
+/// Command-line checks whose message names the value: "--steps: must be positive, got 0".
+CLI::Validator numeric_check(bool allow_zero) {
+  return CLI::Validator(
+      [allow_zero](std::string& text) -> std::string {
+        double value = 0;
+        try {
+          size_t used = 0;
+          value = std::stod(text, &used);
+          if (used != text.size()) return "expected a number, got '" + text + "'";
+        } catch (const std::exception&) {
+          return "expected a number, got '" + text + "'";
+        }
+        if (!std::isfinite(value) || value < 0 || (!allow_zero && value == 0)) {
+          return std::string(allow_zero ? "must be 0 or positive" : "must be positive") + ", got " + text;
+        }
+        return "";
+      },
+      allow_zero ? "NON-NEGATIVE" : "POSITIVE");
+}
+CLI::Validator positive_value() { return numeric_check(false); }
+CLI::Validator non_negative_value() { return numeric_check(true); }
+
 /// The model to train or evaluate. With weights to load (`from_weights`), only rank 0 reads them; the
 /// other ranks build the model on the meta device, allocating nothing, and receive their shards from
 /// rank 0 (cpu_ram_efficient_loading), as transformers' non-main processes do under Accelerate.
@@ -375,33 +398,34 @@ int main(int argc, char** argv) {
                "Run it under `fsdp launch --nproc-per-node N --`; FSDP settings come from FSDP_* variables or "
                "`fsdp launch --config-file`."};
   app.add_option("--preset", settings.preset, "Model size: tiny, small or medium")->capture_default_str();
-  app.add_option("--steps", settings.steps, "Optimizer steps")->capture_default_str();
+  app.add_option("--steps", settings.steps, "Optimizer steps")->check(positive_value())->capture_default_str();
   app.add_option("--seed", settings.seed, "Seed of weights, data order and sampling")->capture_default_str();
   app.add_option("--global-batch-size", settings.global_batch_size, "Sequences per optimizer step, all ranks together")
-      ->capture_default_str();
+      ->check(positive_value())->capture_default_str();
   app.add_option("--micro-batch-size", settings.micro_batch_size,
                  "Sequences per rank per forward; fewer than global/ranks accumulates gradients (0: global/ranks)")
+      ->check(non_negative_value())
       ->capture_default_str();
-  app.add_option("--seq-len", settings.seq_len, "Tokens (bytes) per sequence")->capture_default_str();
-  app.add_option("--lr", settings.lr, "Peak learning rate")->capture_default_str();
-  app.add_option("--min-lr", settings.min_lr, "Learning rate at the end of the cosine decay")->capture_default_str();
-  app.add_option("--warmup-steps", settings.warmup_steps, "Linear warmup steps")->capture_default_str();
-  app.add_option("--weight-decay", settings.weight_decay, "AdamW weight decay")->capture_default_str();
-  app.add_option("--max-grad-norm", settings.max_grad_norm, "Gradient clipping norm")->capture_default_str();
-  app.add_option("--eval-every", settings.eval_every, "Evaluate every K steps (and at the end)")->capture_default_str();
-  app.add_option("--eval-tokens", settings.eval_tokens, "Bytes of evaluation text")->capture_default_str();
+  app.add_option("--seq-len", settings.seq_len, "Tokens (bytes) per sequence")->check(positive_value())->capture_default_str();
+  app.add_option("--lr", settings.lr, "Peak learning rate")->check(positive_value())->capture_default_str();
+  app.add_option("--min-lr", settings.min_lr, "Learning rate at the end of the cosine decay")->check(non_negative_value())->capture_default_str();
+  app.add_option("--warmup-steps", settings.warmup_steps, "Linear warmup steps")->check(non_negative_value())->capture_default_str();
+  app.add_option("--weight-decay", settings.weight_decay, "AdamW weight decay")->check(non_negative_value())->capture_default_str();
+  app.add_option("--max-grad-norm", settings.max_grad_norm, "Gradient clipping norm")->check(positive_value())->capture_default_str();
+  app.add_option("--eval-every", settings.eval_every, "Evaluate every K steps (and at the end)")->check(non_negative_value())->capture_default_str();
+  app.add_option("--eval-tokens", settings.eval_tokens, "Bytes of evaluation text")->check(positive_value())->capture_default_str();
   app.add_option("--output-dir", settings.output_dir, "Metrics, plot, checkpoints and final model")->capture_default_str();
   app.add_option("--checkpoint-every", settings.checkpoint_every, "Save a checkpoint every K steps (0: only at the end)")
-      ->capture_default_str();
-  app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")->capture_default_str();
+      ->check(non_negative_value())->capture_default_str();
+  app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")->check(non_negative_value())->capture_default_str();
   app.add_option("--resume-from", settings.resume_from, "A checkpoint directory, or 'latest' in --output-dir");
   app.add_option("--init-from", settings.init_from, "A Hugging Face directory (model.safetensors + config.json)");
   app.add_option("--data", settings.data, "Training text (default: the license texts in /usr/share/common-licenses)");
   app.add_option("--eval-data", settings.eval_data, "Evaluation text (default: the last tenth of the training text)");
   app.add_flag("--eval-only", settings.eval_only,
                "Print eval_loss=<float> for --init-from on the first --eval-tokens bytes of --data, and exit");
-  app.add_option("--stop-after", settings.stop_after, "Save a checkpoint and stop after this step (to resume later)");
-  app.add_option("--sample-bytes", settings.sample_bytes, "Bytes of text to sample at the end")->capture_default_str();
+  app.add_option("--stop-after", settings.stop_after, "Save a checkpoint and stop after this step (to resume later)")->check(non_negative_value());
+  app.add_option("--sample-bytes", settings.sample_bytes, "Bytes of text to sample at the end")->check(non_negative_value())->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
