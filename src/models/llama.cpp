@@ -28,6 +28,25 @@ nlohmann::json required(const nlohmann::json& config, const char* key, const std
   return config[key];
 }
 
+// An integer field must be written as one: nlohmann would truncate 64.5 to 64 without a word.
+int64_t integer_field(const nlohmann::json& value, const char* key, const std::string& source) {
+  TORCH_CHECK(value.is_number_integer(), "Llama config '", source, "': '", key, "' must be an integer, got ", value.dump());
+  return value.get<int64_t>();
+}
+
+int64_t optional_integer(const nlohmann::json& config, const char* key, int64_t fallback, const std::string& source) {
+  return config.contains(key) ? integer_field(config[key], key, source) : fallback;
+}
+
+// A positive, finite number (rms_norm_eps, rope_theta).
+double positive_number(const nlohmann::json& config, const char* key, double fallback, const std::string& source) {
+  if (!config.contains(key)) return fallback;
+  const auto& value = config[key];
+  TORCH_CHECK(value.is_number() && std::isfinite(value.get<double>()) && value.get<double>() > 0, "Llama config '",
+              source, "': '", key, "' must be a positive number, got ", value.dump());
+  return value.get<double>();
+}
+
 }  // namespace
 
 void LlamaConfig::validate() const {
@@ -78,21 +97,25 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
     TORCH_CHECK(config.is_object(), "Llama config '", source, "' is not a JSON object");
     TORCH_CHECK(config.value("model_type", "llama") == "llama", "'", source, "' describes a ", config["model_type"].dump(),
                 " model; this program builds Llama models");
-    result.vocab_size = required(config, "vocab_size", source).get<int64_t>();
-    result.hidden_size = required(config, "hidden_size", source).get<int64_t>();
-    result.intermediate_size = required(config, "intermediate_size", source).get<int64_t>();
-    result.num_hidden_layers = required(config, "num_hidden_layers", source).get<int64_t>();
-    result.num_attention_heads = required(config, "num_attention_heads", source).get<int64_t>();
+    result.vocab_size = integer_field(required(config, "vocab_size", source), "vocab_size", source);
+    result.hidden_size = integer_field(required(config, "hidden_size", source), "hidden_size", source);
+    result.intermediate_size = integer_field(required(config, "intermediate_size", source), "intermediate_size", source);
+    result.num_hidden_layers = integer_field(required(config, "num_hidden_layers", source), "num_hidden_layers", source);
+    result.num_attention_heads = integer_field(required(config, "num_attention_heads", source), "num_attention_heads", source);
     // transformers' LlamaConfig defaults for fields a file leaves out.
-    result.num_key_value_heads = config.value("num_key_value_heads", result.num_attention_heads);
-    result.max_position_embeddings = config.value("max_position_embeddings", int64_t{2048});
-    result.rms_norm_eps = config.value("rms_norm_eps", 1e-6);
-    result.rope_theta = config.value("rope_theta", 10000.0);
+    result.num_key_value_heads = config.contains("num_key_value_heads") && !config["num_key_value_heads"].is_null()
+                                     ? integer_field(config["num_key_value_heads"], "num_key_value_heads", source)
+                                     : result.num_attention_heads;
+    result.max_position_embeddings = optional_integer(config, "max_position_embeddings", 2048, source);
+    TORCH_CHECK(result.max_position_embeddings > 0, "Llama config '", source, "': 'max_position_embeddings' must be positive, got ",
+                result.max_position_embeddings);
+    result.rms_norm_eps = positive_number(config, "rms_norm_eps", 1e-6, source);
+    result.rope_theta = positive_number(config, "rope_theta", 10000.0, source);
     if (config.contains("rope_parameters") && config["rope_parameters"].is_object()) {
       const auto& rope = config["rope_parameters"];
       TORCH_CHECK(rope.value("rope_type", std::string("default")) == "default", "'", source, "' uses rope_type ",
                   rope["rope_type"].dump(), "; only the default rotary embedding is implemented");
-      result.rope_theta = rope.value("rope_theta", result.rope_theta);
+      result.rope_theta = positive_number(rope, "rope_theta", result.rope_theta, source + " rope_parameters");
     }
     result.tie_word_embeddings = config.value("tie_word_embeddings", false);
     // What this implementation does not compute is refused rather than silently ignored.

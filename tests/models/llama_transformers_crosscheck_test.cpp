@@ -152,6 +152,11 @@ TEST(LlamaConfig, UnsupportedConfigFieldsAreErrorsNamingThem) {
       {R"("hidden_act": "gelu")", "uses hidden_act \"gelu\""},
       {R"("attention_dropout": 0.1)", "sets attention_dropout 0.1"},
       {R"("pretraining_tp": 2)", "sets pretraining_tp 2"},
+      // Values that would be truncated or make no sense (issue Reliability).
+      {R"("max_position_embeddings": 64.5)", "'max_position_embeddings' must be an integer, got 64.5"},
+      {R"("rms_norm_eps": -1)", "'rms_norm_eps' must be a positive number, got -1"},
+      {R"("rope_theta": -5)", "'rope_theta' must be a positive number, got -5"},
+      {R"("rope_theta": "big")", "'rope_theta' must be a positive number, got \"big\""},
   };
   for (const auto& [field, expected] : cases) {
     std::string message;
@@ -162,6 +167,16 @@ TEST(LlamaConfig, UnsupportedConfigFieldsAreErrorsNamingThem) {
     }
     EXPECT_NE(message.find(expected), std::string::npos) << field << " gave: " << message;
   }
+  // A required integer written as a fraction.
+  std::string message;
+  try {
+    LlamaConfig::from_json(R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64.5, "intermediate_size": 96, )"
+                           R"("num_hidden_layers": 2, "num_attention_heads": 4})",
+                           "config.json");
+  } catch (const c10::Error& error) {
+    message = error.what_without_backtrace();
+  }
+  EXPECT_NE(message.find("'config.json': 'hidden_size' must be an integer, got 64.5"), std::string::npos) << message;
   const auto accepted = LlamaConfig::from_json(base + R"(, "attention_dropout": 0.0, "head_dim": 16, "dtype": "float32"})",
                                                "config.json");
   EXPECT_EQ(accepted.head_dim(), 16);
