@@ -216,6 +216,9 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
     type = type_from_name(marker["state_dict_type"].get<std::string>(), marker_path);
     saved_world_size = marker["world_size"].get<int64_t>();
     step = marker.value("step", int64_t{0});
+    TORCH_CHECK(step >= 0 && saved_world_size >= 1, "'", marker_path, "' says step ", step, " and world_size ",
+                saved_world_size, "; a checkpoint has a step of 0 or more and at least one rank. The marker is damaged: "
+                "load an earlier checkpoint");
     if (type == StateDictType::kFullStateDict) {
       const std::string recorded = marker.contains("model_file") && marker["model_file"].is_string()
                                        ? marker["model_file"].get<std::string>()

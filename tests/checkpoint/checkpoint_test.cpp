@@ -4,6 +4,9 @@
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include <fsdp/fsdp.h>
 
@@ -260,6 +263,23 @@ TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
     expect_load_error("lacks 'rank_00001.safetensors' (it was written by 2 ranks)");
     barrier(context.world());
     if (context.rank() == 0) fs::rename(rank_file + ".away", rank_file);
+    barrier(context.world());
+    // A damaged marker: a negative step (issue Reliability: it used to resume at step -5).
+    std::string saved_marker;
+    {
+      std::ifstream file(marker);
+      saved_marker.assign(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
+    }
+    barrier(context.world());
+    if (context.rank() == 0) {
+      auto changed = nlohmann::json::parse(saved_marker);
+      changed["step"] = -5;
+      std::ofstream(marker) << changed.dump();
+    }
+    barrier(context.world());
+    expect_load_error("says step -5 and world_size 2; a checkpoint has a step of 0 or more");
+    barrier(context.world());
+    if (context.rank() == 0) std::ofstream(marker) << saved_marker;
     barrier(context.world());
 
     Trainer bigger_vocabulary(context, 13, 13);

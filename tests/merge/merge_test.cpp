@@ -266,6 +266,10 @@ TEST(Merge, CommandLineMergesAndReportsErrors) {
             1)
       << output;
   EXPECT_NE(output.find("'lots' is not a size"), std::string::npos) << output;
+  // An empty size is not "no limit" (it used to merge into one file with exit 0).
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output), 1)
+      << output;
+  EXPECT_NE(output.find("'' is not a size"), std::string::npos) << output;
   EXPECT_EQ(run("merge-weights --help", output), 0);
   EXPECT_EQ(run("merge-weights only_one_argument", output), 2) << output;
 }
