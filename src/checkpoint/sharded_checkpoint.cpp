@@ -131,6 +131,9 @@ ShardedDirectoryReader::ShardedDirectoryReader(const std::string& directory) : d
 void ShardedDirectoryReader::open() {
   const std::string& directory = directory_;
   const auto metadata_path = std::filesystem::path(directory) / kShardedMetadataFile;
+  std::error_code error;
+  TORCH_CHECK(!std::filesystem::exists(metadata_path, error) || std::filesystem::is_regular_file(metadata_path, error), "'",
+              metadata_path.string(), "' is not a regular file; the directory is not a sharded checkpoint");
   std::ifstream file(metadata_path);
   if (!file && std::filesystem::exists(std::filesystem::path(directory) / ".metadata")) {
     TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), which fsdp.cpp ",

@@ -8,6 +8,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -107,12 +108,37 @@ void emit_preserving_quotes(YAML::Emitter& emitter, const YAML::Node& node) {
   }
 }
 
+// YAML aliases let a 1 KB file describe billions of nodes (an "alias bomb"), which writing the file
+// back (to-fsdp2) would expand. A config file is small: its tree, aliases expanded, must be too.
+constexpr size_t kMaxYamlNodes = 100000;
+constexpr int kMaxYamlDepth = 64;
+
+void check_expansion(const YAML::Node& node, size_t& budget, int depth, const std::string& path) {
+  TORCH_CHECK(depth <= kMaxYamlDepth, "config file '", path, "' nests deeper than ", kMaxYamlDepth,
+              " levels; an Accelerate config is a flat mapping");
+  TORCH_CHECK(budget > 0, "config file '", path, "' expands (through YAML aliases) to more than ", kMaxYamlNodes,
+              " values; an Accelerate config has a few dozen. Write the values out instead of aliasing them");
+  --budget;
+  if (node.IsSequence()) {
+    for (const auto& child : node) check_expansion(child, budget, depth + 1, path);
+  } else if (node.IsMap()) {
+    for (const auto& entry : node) {
+      check_expansion(entry.first, budget, depth + 1, path);
+      check_expansion(entry.second, budget, depth + 1, path);
+    }
+  }
+}
+
 YAML::Node load_yaml(const std::string& yaml_text, const std::string& path) {
+  YAML::Node root;
   try {
-    return YAML::Load(yaml_text);
+    root = YAML::Load(yaml_text);
   } catch (const YAML::Exception& error) {
     TORCH_CHECK(false, "config file '", path, "' is not valid YAML: ", error.what(), ".");
   }
+  size_t budget = kMaxYamlNodes;
+  check_expansion(root, budget, 0, path);
+  return root;
 }
 
 }  // namespace
@@ -213,6 +239,10 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
 }
 
 std::string read_config_file(const std::string& path) {
+  // Only regular files: opening a FIFO would wait for a writer forever.
+  std::error_code error;
+  TORCH_CHECK(!std::filesystem::exists(path, error) || std::filesystem::is_regular_file(path, error), "config file '",
+              path, "' is not a regular file; give the path of an Accelerate YAML file");
   std::ifstream file(path);
   TORCH_CHECK(file.good(), "config file '", path, "' cannot be read: it does not exist or is not readable.");
   std::stringstream text;

@@ -237,7 +237,9 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
 }
 
 SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // O_NONBLOCK: opening a FIFO in place of the file must not wait for a writer (the check below
+  // refuses it); reads of a regular file ignore the flag.
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TORCH_CHECK(fd >= 0, "cannot open safetensors file '", path, "': ", std::strerror(errno));
   struct stat status {};
   if (::fstat(fd, &status) != 0) {

@@ -5,6 +5,7 @@
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
 
+#include <filesystem>
 #include <fstream>
 #include <iterator>
 
@@ -89,6 +90,10 @@ void save_torch_file_streaming(const std::string& path, const c10::IValue& value
 }
 
 c10::IValue load_torch_file(const std::string& path) {
+  // Only regular files: opening a FIFO would wait for a writer forever.
+  std::error_code error;
+  TORCH_CHECK(!std::filesystem::exists(path, error) || std::filesystem::is_regular_file(path, error), "torch file '", path,
+              "' is not a regular file");
   std::ifstream file(path, std::ios::binary);
   TORCH_CHECK(file, "cannot open torch file '", path, "'");
   std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());

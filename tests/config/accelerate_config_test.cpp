@@ -8,6 +8,7 @@
 #include "harness/error_message.h"
 
 #include <fstream>
+#include <functional>
 #include <sstream>
 
 namespace fsdp {
@@ -30,6 +31,28 @@ TEST(AccelerateConfig, LoadsAccelerateOutput) {
   EXPECT_EQ(config.num_machines, 1);
   EXPECT_EQ(config.fsdp_config.at("fsdp_reshard_after_forward"), "SHARD_GRAD_OP");
   EXPECT_EQ(config.fsdp_config.at("fsdp_cpu_ram_efficient_loading"), "true");
+}
+
+// A YAML alias bomb: 1 KB that expands to 387 million strings. to-fsdp2 used to spin on it
+// (issue Reliability); every reader now refuses it before expanding anything.
+TEST(AccelerateConfig, AliasBombsAreRefusedBeforeTheyExpand) {
+  std::string bomb = "distributed_type: FSDP\ntpu_env: [&a [x, x, x, x, x, x, x, x, x]";
+  std::string previous = "a";
+  for (const char* name : {"b", "c", "d", "e", "f", "g", "h", "i"}) {
+    bomb += std::string(", &") + name + " [";
+    for (int index = 0; index < 9; ++index) bomb += (index ? ", *" : "*") + previous;
+    bomb += "]";
+    previous = name;
+  }
+  bomb += "]\nfsdp_config:\n  fsdp_version: 1\n";
+  ASSERT_LT(bomb.size(), 1200u);
+  for (const auto& body : std::vector<std::function<void()>>{[&] { parse_accelerate_config(bomb, "bomb.yaml"); },
+                                                             [&] { convert_config_to_fsdp2(bomb, "bomb.yaml"); }}) {
+    const auto message = testing::error_message_of(body);
+    EXPECT_NE(message.find("config file 'bomb.yaml' expands (through YAML aliases) to more than 100000 values"),
+              std::string::npos)
+        << message;
+  }
 }
 
 TEST(AccelerateConfig, KeysWithoutPrefixGetIt) {

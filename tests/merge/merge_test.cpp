@@ -3,12 +3,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 
 #include <nlohmann/json.hpp>
 
+#include <fsdp/accelerate_config.h>
 #include <fsdp/fsdp.h>
 
 #include "harness/parity.h"
@@ -318,6 +321,27 @@ TEST(Merge, MetadataThatDoesNotListEveryTensorOfTheRankFilesIsRefusedAndNothingI
   }
   std::ofstream(metadata_path) << original.dump();
   EXPECT_EQ(merge_fsdp_weights(model_dir, root + "/out").tensors, static_cast<int64_t>(original["tensors"].size()));
+}
+
+// A FIFO in place of a rank file or a config file used to block the reader forever (issue
+// Reliability): only regular files are read.
+TEST(Merge, AFifoInPlaceOfAFileIsAnErrorNotAHang) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2);
+  if (testing::is_rank_process()) return;
+  const auto model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
+  const auto rank_file = model_dir + "/rank_00001.safetensors";
+  fs::rename(rank_file, rank_file + ".away");
+  ASSERT_EQ(::mkfifo(rank_file.c_str(), 0600), 0);
+  auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out"); });
+  EXPECT_NE(message.find("rank_00001.safetensors' is not a regular file"), std::string::npos) << message;
+  fs::remove(rank_file);
+  fs::rename(rank_file + ".away", rank_file);
+  const auto config = root + "/accelerate.yaml";
+  ASSERT_EQ(::mkfifo(config.c_str(), 0600), 0);
+  message = testing::error_message_of([&] { load_accelerate_config(config); });
+  EXPECT_NE(message.find("accelerate.yaml' is not a regular file"), std::string::npos) << message;
+  fs::remove(config);
 }
 
 // Accelerate's checkpoints under FSDP2 are DCP directories (tests/python/dcp_fixture.py saves them as
