@@ -145,6 +145,12 @@ TEST_F(TrainLlama, BadFlagsAreErrors) {
     EXPECT_NE(result.output.find(expected), std::string::npos) << flags << ": " << result.output;
   }
   EXPECT_FALSE(std::filesystem::exists(root_ / "y")) << "a refused run writes nothing";
+  // A directory as --data used to say it "has 0 bytes".
+  result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --data " + root_.string() + " --output-dir " + (root_ / "z").string());
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("data file '" + root_.string() + "' is a directory; --data and --eval-data take one text file"),
+            std::string::npos)
+      << result.output;
 }
 
 }  // namespace

@@ -17,6 +17,11 @@ namespace {
 namespace fs = std::filesystem;
 
 std::string read_file(const std::string& path) {
+  std::error_code error;
+  TORCH_CHECK(!fs::is_directory(path, error), "data file '", path,
+              "' is a directory; --data and --eval-data take one text file (cat the files into one)");
+  TORCH_CHECK(!fs::exists(path, error) || fs::is_regular_file(path, error), "data file '", path,
+              "' is not a regular file; --data and --eval-data take a text file");
   std::ifstream file(path, std::ios::binary);
   TORCH_CHECK(file, "cannot read data file '", path, "': ", std::strerror(errno), "; check --data / --eval-data");
   std::stringstream text;
