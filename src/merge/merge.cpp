@@ -36,7 +36,9 @@ fs::path normalized(const std::string& directory) {
 }
 
 void check_input(const std::string& checkpoint_dir) {
-  TORCH_CHECK(fs::is_directory(checkpoint_dir), "merge: checkpoint directory '", checkpoint_dir, "' does not exist");
+  TORCH_CHECK(fs::exists(checkpoint_dir), "merge: checkpoint directory '", checkpoint_dir, "' does not exist");
+  TORCH_CHECK(fs::is_directory(checkpoint_dir), "merge: '", checkpoint_dir,
+              "' is a file, not a checkpoint directory; give the sharded directory (e.g. CHECKPOINT/pytorch_model_fsdp_0)");
   TORCH_CHECK(!fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.bin") &&
                   !fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.safetensors"),
               "merge: '", checkpoint_dir, "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "

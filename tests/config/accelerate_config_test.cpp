@@ -93,6 +93,9 @@ TEST(AccelerateConfig, UnsupportedFeaturesAndBadValuesAreErrors) {
             std::string::npos);
   EXPECT_NE(error_message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"), std::string::npos);
   EXPECT_NE(error_message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"), std::string::npos);
+  // A directory used to be reported as an empty file.
+  EXPECT_NE(error_message_of([] { load_accelerate_config("/tmp"); }).find("config file '/tmp' is not a regular file"),
+            std::string::npos);
   EXPECT_NE(error_message_of([] { parse_accelerate_config("a: [1, 2\n", "j.yaml"); }).find("'j.yaml' is not valid YAML"),
             std::string::npos);
   EXPECT_NE(error_message_of([] { parse_accelerate_config("[1]: 2\n", "k.yaml"); }).find("must be a plain name"),

@@ -269,6 +269,9 @@ TEST(Merge, CommandLineMergesAndReportsErrors) {
             1)
       << output;
   EXPECT_NE(output.find("'lots' is not a size"), std::string::npos) << output;
+  // A file is not a directory that "does not exist".
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0/metadata.json " + root + "/cli5", output), 1);
+  EXPECT_NE(output.find("metadata.json' is a file, not a checkpoint directory"), std::string::npos) << output;
   // An empty size is not "no limit" (it used to merge into one file with exit 0).
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output), 1)
       << output;
