@@ -87,19 +87,45 @@ at::Tensor DcpDirectoryReader::load_chunk(const std::string& key, const DcpTenso
   return loaded.contiguous();
 }
 
-at::Tensor DcpDirectoryReader::rows(const std::string& name, int64_t row_begin, int64_t row_count) const {
-  const auto& key = keys_.count(name) ? keys_.at(name) : name;
+std::vector<int64_t> DcpDirectoryReader::block_sizes(const std::string& name, int64_t row_begin, int64_t row_count) const {
   const auto& entry = tensor(name);
-  const auto options = at::TensorOptions().dtype(entry.dtype);
   if (entry.size.empty()) {
     TORCH_CHECK(entry.chunks.size() == 1, description(), ": scalar '", name, "' has ", entry.chunks.size(), " chunks");
-    return load_chunk(key, entry, 0);
+    return {};
   }
   TORCH_CHECK(row_begin >= 0 && row_count >= 0 && row_begin + row_count <= entry.size[0], description(), ": rows ",
               row_begin, "+", row_count, " of '", name, "', which has ", entry.size[0]);
   auto sizes = entry.size;
   sizes[0] = row_count;
-  auto result = at::empty(sizes, options);
+  return sizes;
+}
+
+at::Tensor DcpDirectoryReader::rows(const std::string& name, int64_t row_begin, int64_t row_count) const {
+  const auto sizes = block_sizes(name, row_begin, row_count);
+  if (sizes.empty()) return load_chunk(keys_.at(name), tensor(name), 0);
+  auto result = at::empty(sizes, at::TensorOptions().dtype(tensor(name).dtype));
+  fill_rows(name, row_begin, result);
+  return result;
+}
+
+void DcpDirectoryReader::read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const {
+  const auto sizes = block_sizes(name, row_begin, row_count);
+  const auto options = at::TensorOptions().dtype(tensor(name).dtype);
+  if (sizes.empty()) {
+    const auto scalar = load_chunk(keys_.at(name), tensor(name), 0);
+    std::memcpy(destination, scalar.data_ptr(), static_cast<size_t>(scalar.element_size()));
+    return;
+  }
+  // The chunks are copied straight into the caller's buffer.
+  auto result = at::from_blob(destination, sizes, options);
+  fill_rows(name, row_begin, result);
+}
+
+void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, at::Tensor& result) const {
+  const auto& key = keys_.at(name);
+  const auto& entry = tensor(name);
+  const auto& sizes = result.sizes();
+  const int64_t row_count = sizes[0];
   for (size_t index = 0; index < entry.chunks.size(); ++index) {
     const auto& chunk = entry.chunks[index];
     const int64_t first = std::max(row_begin, chunk.offsets[0]);
@@ -123,12 +149,6 @@ at::Tensor DcpDirectoryReader::rows(const std::string& name, int64_t row_begin, 
     for (size_t dim = 1; dim < sizes.size(); ++dim) target = target.narrow(static_cast<int64_t>(dim), chunk.offsets[dim], chunk.sizes[dim]);
     target.copy_(loaded.narrow(0, first - chunk.offsets[0], last - first));
   }
-  return result;
-}
-
-void DcpDirectoryReader::read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const {
-  const auto block = rows(name, row_begin, row_count);
-  std::memcpy(destination, block.data_ptr(), static_cast<size_t>(block.numel() * block.element_size()));
 }
 
 }  // namespace fsdp::detail

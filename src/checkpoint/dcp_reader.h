@@ -44,6 +44,10 @@ class DcpDirectoryReader : public TensorSource {
 
  private:
   const DcpTensor& tensor(const std::string& name) const;
+  /// The sizes of rows [row_begin, row_begin + row_count) of `name` (checked), empty for a scalar.
+  std::vector<int64_t> block_sizes(const std::string& name, int64_t row_begin, int64_t row_count) const;
+  /// Copies the chunks' part of rows [row_begin, row_begin + result.size(0)) into `result`.
+  void fill_rows(const std::string& name, int64_t row_begin, at::Tensor& result) const;
   at::Tensor load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
 
   std::string directory_;

@@ -137,9 +137,9 @@ void ShardedDirectoryReader::open() {
   std::ifstream file(metadata_path);
   if (!file && std::filesystem::exists(std::filesystem::path(directory) / ".metadata")) {
     TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), which fsdp.cpp ",
-                "does not read yet; it reads its own sharded format (docs/checkpoint-format.md). Save the model from "
-                "PyTorch as a full state dict (safetensors or torch.save) instead, or merge it with Accelerate's "
-                "merge-weights");
+                "does not load yet; it loads its own sharded format (docs/checkpoint-format.md). Merge the model "
+                "directory into a full model file first (`fsdp merge-weights` reads DCP), or save the model from PyTorch "
+                "as a full state dict (safetensors or torch.save)");
   }
   TORCH_CHECK(file, "sharded checkpoint directory '", directory, "' has no ", kShardedMetadataFile,
               ": it is not a checkpoint directory, or its save did not finish");
@@ -229,8 +229,7 @@ void ShardedDirectoryReader::open() {
     for (const auto& chunk : entry.chunks) listed.emplace(chunk.file, name);
   }
   for (int64_t rank = 0; rank < world_size_; ++rank) {
-    char file_name[32];
-    std::snprintf(file_name, sizeof(file_name), "rank_%05lld.safetensors", static_cast<long long>(rank));
+    const auto file_name = rank_file_name(rank);
     const auto path = std::filesystem::path(directory) / file_name;
     if (!files_.count(file_name)) {
       if (!std::filesystem::exists(path)) continue;  // a rank that held nothing writes no file

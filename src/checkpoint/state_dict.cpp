@@ -144,6 +144,13 @@ at::Tensor local_rows(const TensorSource& source, const std::string& name, const
   return source.rows(name, layout.row_offset, layout.owned_rows).reshape(layout.sharded_sizes);
 }
 
+// Whether optimizer state `field` of `entry`, saved with `shape`, is read as this rank's rows of the
+// shard (a sharded parameter's state of the parameter's full shape) rather than whole (steps,
+// unsharded parameters).
+bool state_takes_shard_rows(const ModelTensor& entry, const std::string& field, at::IntArrayRef shape) {
+  return field != "step" && is_sharded(entry) && shape == at::IntArrayRef(entry.owner->shard.layout.unsharded_sizes);
+}
+
 void copy_into_model(const ModelTensor& entry, const at::Tensor& local) {
   at::NoGradGuard no_grad;
   if (entry.owner) {
@@ -493,8 +500,7 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
         if (!tensors.contains(name)) continue;
         const auto shape = tensors.shape(name);
         at::Tensor local;
-        if (std::string(field) != "step" && is_sharded(entry) &&
-            at::IntArrayRef(shape) == at::IntArrayRef(entry.owner->shard.layout.unsharded_sizes)) {
+        if (state_takes_shard_rows(entry, field, shape)) {
           // Own memory: a view would keep the whole tensor of a FULL file alive on every rank.
           local = local_rows(tensors, name, entry.owner->shard.layout, parameter.options())
                       .to(parameter.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
@@ -579,14 +585,13 @@ void load_optimizer_state_dict_from_rank0(torch::nn::Module& model, torch::optim
     const auto dtype = static_cast<c10::ScalarType>(listed[index][2].get<int>());
     at::Tensor full = is_source ? state->tensors[index].second.local.contiguous() : at::empty(shape, at::TensorOptions().dtype(dtype));
     broadcast(context.world(), full, 0);
-    // "state.<parameter>.<field>": a sharded parameter's state of its full shape keeps this rank's
-    // rows; everything else (steps, unsharded parameters) is kept whole.
+    // "state.<parameter>.<field>": keep exactly what load_optimizer_state_dict will ask for, this
+    // rank's rows or the whole tensor (state_takes_shard_rows).
     KeptRowsSource::Kept entry{shape, 0, full};
     const auto last_dot = name.rfind('.');
     if (name.rfind("state.", 0) == 0 && last_dot != std::string::npos && last_dot > 6) {
       auto found = by_name.find(name.substr(6, last_dot - 6));
-      if (found != by_name.end() && is_sharded(*found->second) && full.dim() > 0 &&
-          full.sizes() == at::IntArrayRef(found->second->owner->shard.layout.unsharded_sizes)) {
+      if (found != by_name.end() && state_takes_shard_rows(*found->second, name.substr(last_dot + 1), full.sizes())) {
         const auto& layout = found->second->owner->shard.layout;
         entry.first_row = layout.row_offset;
         entry.rows = full.reshape({layout.rows, -1}).narrow(0, layout.row_offset, layout.owned_rows).clone();
