@@ -34,6 +34,12 @@ at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType
 void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
                                const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize);
 
+/// The torch.save archive of `value` (tensors as they are, each with a storage of exactly its own
+/// elements) to `sink`, in pieces: what one item of a DCP `.distcp` file is. `source` names the
+/// output in errors.
+void write_torch_archive(const c10::IValue& value, const std::function<void(const void* data, size_t size)>& sink,
+                         const std::string& source);
+
 /// A dict {name: tensor} in the given order.
 c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 /// The entries of a {name: tensor} dict; `source` names the file in errors.

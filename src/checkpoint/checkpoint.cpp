@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <random>
 #include <fstream>
 #include <sstream>
 
@@ -18,6 +19,9 @@
 #include <fsdp/version.h>
 
 #include "checkpoint/agreement.h"
+#include "checkpoint/dcp_reader.h"
+#include "checkpoint/dcp_writer.h"
+#include "checkpoint/optimizer_state.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -102,15 +106,42 @@ TrainingProgress load_progress(const std::string& directory, const DistributedCo
   return progress;
 }
 
-std::string optimizer_extra(const OptimizerStateDict& state) {
-  nlohmann::json extra;
-  extra["optimizer"] = state.optimizer;
-  extra["param_groups"] = nlohmann::json::parse(state.param_groups_json);
-  return extra.dump();
+// A save's identity: recorded in the DCP metadata (StorageMeta.save_id, as PyTorch does) and the marker.
+std::string new_save_id() {
+  std::random_device device;
+  std::mt19937_64 generator((static_cast<uint64_t>(device()) << 32) ^ device());
+  char text[40];
+  const uint64_t high = generator();
+  const uint64_t low = generator();
+  std::snprintf(text, sizeof(text), "%08llx-%04llx-%04llx-%04llx-%012llx", static_cast<unsigned long long>(high >> 32),
+                static_cast<unsigned long long>((high >> 16) & 0xffff), static_cast<unsigned long long>(high & 0xffff),
+                static_cast<unsigned long long>(low >> 48), static_cast<unsigned long long>(low & 0xffffffffffffULL));
+  return text;
+}
+
+void write_sharded_optimizer(const std::string& directory, const OptimizerStateDict& state,
+                             const DistributedContext& context, const std::string& save_id) {
+  std::vector<detail::DcpTensorEntry> tensors;
+  std::vector<detail::DcpByteEntry> byte_items;
+  detail::optimizer_dcp_entries(state, tensors, byte_items);
+  detail::write_dcp_directory(directory, tensors, byte_items, context, save_id);
+}
+
+// A SHARDED model or optimizer directory: DCP (what fsdp.cpp and PyTorch write) or the rank-file
+// format older fsdp.cpp versions wrote (docs/checkpoint-format.md).
+std::unique_ptr<TensorSource> open_sharded_directory(const std::string& directory) {
+  if (detail::is_dcp_directory(directory)) return std::make_unique<detail::DcpDirectoryReader>(directory);
+  return std::make_unique<ShardedDirectoryReader>(directory);
 }
 
 void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                   const ShardedDirectoryReader& reader) {
+                                   const TensorSource& source) {
+  if (const auto* dcp = dynamic_cast<const detail::DcpDirectoryReader*>(&source)) {
+    const auto groups = detail::dcp_param_groups(*dcp, detail::optimizer_type(optimizer));
+    load_optimizer_state_dict(model, optimizer, groups.optimizer, groups.json, source);
+    return;
+  }
+  const auto& reader = dynamic_cast<const ShardedDirectoryReader&>(source);
   const auto extra = nlohmann::json::parse(reader.extra_json());
   TORCH_CHECK(extra.contains("optimizer") && extra.contains("param_groups"), reader.description(),
               " does not hold optimizer state (no optimizer and param_groups in its metadata)");
@@ -130,6 +161,8 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
   on_every_rank(context, [&] { fs::create_directories(directory); });
   std::string model_file;
+  // Only rank 0 writes metadata and the marker, so only its identity is recorded.
+  const std::string save_id = main ? new_save_id() : std::string();
 
   switch (options.state_dict_type) {
     case StateDictType::kFullStateDict: {
@@ -152,14 +185,14 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
     case StateDictType::kShardedStateDict:
     case StateDictType::kLocalStateDict: {
       if (options.state_dict_type == StateDictType::kShardedStateDict) {
-        write_sharded_directory(path_in(directory, kShardedModel), sharded_model_state_dict(model), context);
+        detail::write_dcp_directory(path_in(directory, kShardedModel),
+                                    detail::model_dcp_entries(sharded_model_state_dict(model)), {}, context, save_id);
       } else {
         const auto state = local_model_state_dict(model);
         on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
       }
-      const auto optimizer_state = sharded_optimizer_state_dict(model, optimizer);
-      write_sharded_directory(path_in(directory, kShardedOptimizer), optimizer_state.tensors, context,
-                              optimizer_extra(optimizer_state));
+      write_sharded_optimizer(path_in(directory, kShardedOptimizer), sharded_optimizer_state_dict(model, optimizer),
+                              context, save_id);
       break;
     }
   }
@@ -172,6 +205,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
     marker["world_size"] = context.world_size();
     marker["step"] = progress.step;
     marker["fsdp_cpp_version"] = version();
+    marker["save_id"] = save_id;
     if (!model_file.empty()) marker["model_file"] = model_file;
   }
   on_every_rank(context, [&] {
@@ -186,8 +220,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   StateDictType type = StateDictType::kShardedStateDict;
   int64_t saved_world_size = 0;
   int64_t step = 0;
-  std::unique_ptr<ShardedDirectoryReader> model_reader;
-  std::unique_ptr<ShardedDirectoryReader> optimizer_reader;
+  std::unique_ptr<TensorSource> model_reader;
+  std::unique_ptr<TensorSource> optimizer_reader;
   std::string model_file;
   std::unique_ptr<TensorListSource> full_source;
   std::optional<OptimizerStateDict> full_optimizer;
@@ -245,7 +279,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       }
     } else {
       if (type == StateDictType::kShardedStateDict) {
-        model_reader = std::make_unique<ShardedDirectoryReader>(path_in(directory, kShardedModel));
+        model_reader = open_sharded_directory(path_in(directory, kShardedModel));
       } else {
         TORCH_CHECK(saved_world_size == context.world_size(), "checkpoint directory '", directory,
                     "' holds a LOCAL_STATE_DICT saved by ", saved_world_size, " ranks; it loads only on ",
@@ -255,7 +289,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ",
                     local_model_file(context.rank()));
       }
-      optimizer_reader = std::make_unique<ShardedDirectoryReader>(path_in(directory, kShardedOptimizer));
+      optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
     }
   } catch (const std::exception& failure) {
     error = message_of(failure);

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 
 #include <map>
 #include <memory>
@@ -41,6 +42,11 @@ class DcpDirectoryReader : public TensorSource {
   /// Keys of the non-tensor items (optimizer steps stored as numbers, hyper-parameters), flattened.
   const std::vector<std::string>& byte_item_keys() const { return byte_item_keys_; }
   const DcpMetadata& metadata() const { return metadata_; }
+  /// The value of byte item `key` (flattened, "optimizer.param_groups.0.lr"), read with libtorch's
+  /// unpickler (plain values only: no Python object is built).
+  c10::IValue byte_item(const std::string& key) const;
+  bool has_byte_item(const std::string& key) const;
+  const std::string& directory() const { return directory_; }
 
  private:
   const DcpTensor& tensor(const std::string& name) const;
@@ -48,6 +54,9 @@ class DcpDirectoryReader : public TensorSource {
   std::vector<int64_t> block_sizes(const std::string& name, int64_t row_begin, int64_t row_count) const;
   /// Copies the chunks' part of rows [row_begin, row_begin + result.size(0)) into `result`.
   void fill_rows(const std::string& name, int64_t row_begin, at::Tensor& result) const;
+  void check_files() const;
+  c10::IValue load_item(const DcpStorage& storage, const std::string& key, const std::string& item) const;
+  std::string item_name(const DcpStorage& storage) const;
   at::Tensor load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
 
   std::string directory_;
@@ -61,5 +70,22 @@ class DcpDirectoryReader : public TensorSource {
   mutable size_t cached_chunk_ = 0;
   mutable at::Tensor cached_;
 };
+
+}  // namespace fsdp::detail
+
+namespace fsdp::detail {
+
+/// The parameter groups of an optimizer checkpoint in DCP (what get_optimizer_state_dict saves:
+/// one byte item per group and option, `<top>.param_groups.<i>.<option>`, or in older writers the
+/// whole list as one item `<top>.param_groups`), as load_optimizer_state_dict takes them.
+struct DcpParamGroups {
+  /// The optimizer class the groups' options belong to ("AdamW", ...).
+  std::string optimizer;
+  /// [{option: value, ..., "params": [names]}].
+  std::string json;
+};
+/// `expected_type` (the optimizer being loaded) settles what the groups cannot tell: Adam and AdamW
+/// saved before torch 2.9 have the same options.
+DcpParamGroups dcp_param_groups(const DcpDirectoryReader& reader, const std::string& expected_type);
 
 }  // namespace fsdp::detail

@@ -206,4 +206,121 @@ void apply_options_json(const std::string& type, const nlohmann::json& values, t
   }
 }
 
+namespace {
+
+// torch 2.13's parameter-group keys of each optimizer, in its order, with the defaults of the ones
+// libtorch's optimizers do not have (null: the key is one libtorch has).
+struct PyTorchKey {
+  const char* key;
+  c10::IValue (*extra)();
+};
+
+c10::IValue none() { return c10::IValue(); }
+c10::IValue no() { return c10::IValue(false); }
+c10::IValue yes() { return c10::IValue(true); }
+
+const std::vector<PyTorchKey>& pytorch_keys(const std::string& type) {
+  static const std::vector<PyTorchKey> adamw = {{"lr", nullptr},          {"betas", nullptr},      {"eps", nullptr},
+                                                {"weight_decay", nullptr}, {"amsgrad", nullptr},    {"maximize", no},
+                                                {"foreach", none},         {"capturable", no},      {"differentiable", no},
+                                                {"fused", none},           {"decoupled_weight_decay", yes}};
+  static const std::vector<PyTorchKey> adam = {{"lr", nullptr},          {"betas", nullptr},      {"eps", nullptr},
+                                               {"weight_decay", nullptr}, {"amsgrad", nullptr},    {"maximize", no},
+                                               {"foreach", none},         {"capturable", no},      {"differentiable", no},
+                                               {"fused", none},           {"decoupled_weight_decay", no}};
+  static const std::vector<PyTorchKey> sgd = {{"lr", nullptr},       {"momentum", nullptr}, {"dampening", nullptr},
+                                              {"weight_decay", nullptr}, {"nesterov", nullptr}, {"maximize", no},
+                                              {"foreach", none},     {"differentiable", no}, {"fused", none}};
+  static const std::vector<PyTorchKey> adagrad = {{"lr", nullptr},       {"lr_decay", nullptr},
+                                                  {"eps", nullptr},      {"weight_decay", nullptr},
+                                                  {"initial_accumulator_value", nullptr},
+                                                  {"foreach", none},     {"maximize", no},
+                                                  {"differentiable", no}, {"fused", none}};
+  static const std::vector<PyTorchKey> rmsprop = {{"lr", nullptr},       {"momentum", nullptr}, {"alpha", nullptr},
+                                                  {"eps", nullptr},      {"centered", nullptr}, {"weight_decay", nullptr},
+                                                  {"capturable", no},    {"foreach", none},     {"maximize", no},
+                                                  {"differentiable", no}};
+  if (type == "AdamW") return adamw;
+  if (type == "Adam") return adam;
+  if (type == "SGD") return sgd;
+  if (type == "Adagrad") return adagrad;
+  TORCH_INTERNAL_ASSERT(type == "RMSprop", "unknown optimizer type ", type);
+  return rmsprop;
+}
+
+c10::IValue json_to_ivalue(const nlohmann::json& value) {
+  if (value.is_boolean()) return value.get<bool>();
+  if (value.is_number_integer()) return value.get<int64_t>();
+  if (value.is_number()) return value.get<double>();
+  if (value.is_array() && value.size() == 2 && value[0].is_number()) {
+    return c10::ivalue::Tuple::create({value[0].get<double>(), value[1].get<double>()});
+  }
+  if (value.is_null()) return c10::IValue();
+  TORCH_INTERNAL_ASSERT(false, "parameter group value ", value.dump(), " has no PyTorch form");
+}
+
+}  // namespace
+
+std::vector<std::pair<std::string, c10::IValue>> pytorch_param_group(const std::string& type, const nlohmann::json& values) {
+  std::vector<std::pair<std::string, c10::IValue>> group;
+  for (const auto& key : pytorch_keys(type)) {
+    if (key.extra) {
+      group.emplace_back(key.key, key.extra());
+    } else {
+      TORCH_INTERNAL_ASSERT(values.contains(key.key), type, " parameter group lacks '", key.key, "'");
+      group.emplace_back(key.key, json_to_ivalue(values[key.key]));
+    }
+  }
+  return group;
+}
+
+std::string optimizer_type_of_param_group(const nlohmann::json& group) {
+  auto has = [&](const char* key) { return group.contains(key); };
+  if (has("betas")) {
+    // Before torch 2.9 neither class had the key; AdamW is then the guess its weight decay cannot tell apart.
+    if (has("decoupled_weight_decay") && group["decoupled_weight_decay"].is_boolean()) {
+      return group["decoupled_weight_decay"].get<bool>() ? "AdamW" : "Adam";
+    }
+    return "AdamW";
+  }
+  if (has("lr_decay") && has("initial_accumulator_value")) return "Adagrad";
+  if (has("alpha") && has("centered")) return "RMSprop";
+  if (has("momentum") && has("dampening") && has("nesterov")) return "SGD";
+  return "";
+}
+
+void check_pytorch_only_options(const std::string& type, const nlohmann::json& group, const std::string& source) {
+  if (group.contains("maximize") && group["maximize"].is_boolean()) {
+    TORCH_CHECK(!group["maximize"].get<bool>(), source, ": the ", type,
+                " parameter group has maximize=True, which libtorch's optimizers do not have; resume it in PyTorch, "
+                "or save it with maximize=False");
+  }
+}
+
+nlohmann::json param_group_value_json(const c10::IValue& value, const std::string& where) {
+  if (value.isDouble()) return value.toDouble();
+  if (value.isInt()) return value.toInt();
+  if (value.isBool()) return value.toBool();
+  if (value.isNone()) return nullptr;
+  if (value.isTuple()) {
+    auto numbers = nlohmann::json::array();
+    for (const auto& element : value.toTupleRef().elements()) {
+      TORCH_CHECK(element.isDouble() || element.isInt(), where, " is a tuple holding a ", element.tagKind(),
+                  "; expected numbers");
+      numbers.push_back(element.isDouble() ? element.toDouble() : static_cast<double>(element.toInt()));
+    }
+    return numbers;
+  }
+  if (value.isList()) {
+    auto names = nlohmann::json::array();
+    for (const auto& name : value.toList()) {
+      const c10::IValue element = name;
+      TORCH_CHECK(element.isString(), where, " lists a ", element.tagKind(), "; expected parameter names");
+      names.push_back(element.toStringRef());
+    }
+    return names;
+  }
+  TORCH_CHECK(false, where, " is a ", value.tagKind(), "; expected a number, bool, None, a tuple of numbers or a list of names");
+}
+
 }  // namespace fsdp::detail

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/core/ivalue.h>
 #include <nlohmann/json.hpp>
 #include <torch/optim/optimizer.h>
 
@@ -28,5 +29,24 @@ std::unique_ptr<torch::optim::OptimizerParamState> make_state(const std::string&
 nlohmann::json options_json(const std::string& type, torch::optim::OptimizerOptions& options);
 /// Sets one group's hyper-parameters; unknown or missing keys are errors naming them.
 void apply_options_json(const std::string& type, const nlohmann::json& values, torch::optim::OptimizerOptions& options);
+
+/// One group's hyper-parameters as PyTorch's optimizer.state_dict() holds them for `type`: torch
+/// 2.13's keys in its order, those libtorch lacks (maximize, foreach, ...) at PyTorch's defaults,
+/// without "params". `values` is what options_json gives.
+std::vector<std::pair<std::string, c10::IValue>> pytorch_param_group(const std::string& type, const nlohmann::json& values);
+
+/// The optimizer class a parameter group saved by PyTorch belongs to, told by its keys
+/// ("decoupled_weight_decay" tells AdamW from Adam, which torch 2.13 both give "betas"); "" when
+/// the keys fit none of the five.
+std::string optimizer_type_of_param_group(const nlohmann::json& group);
+
+/// Refuses a group saved by PyTorch whose options that libtorch's optimizer lacks would change
+/// the update (maximize true, for instance): the error names the option and `source`. Options that
+/// only choose an implementation (foreach, fused, capturable, differentiable) are accepted.
+void check_pytorch_only_options(const std::string& type, const nlohmann::json& group, const std::string& source);
+
+/// A parameter group's value from a torch.save pickle (a number, bool, None, a tuple of numbers or a
+/// list of names) as JSON; anything else is an error naming `where`.
+nlohmann::json param_group_value_json(const c10::IValue& value, const std::string& where);
 
 }  // namespace fsdp::detail

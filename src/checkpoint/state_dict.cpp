@@ -631,6 +631,8 @@ c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state) {
         entry.insert(key, c10::ivalue::Tuple::create({value[0].get<double>(), value[1].get<double>()}));
       } else if (value.is_boolean()) {
         entry.insert(key, value.get<bool>());
+      } else if (value.is_null()) {
+        entry.insert(key, c10::IValue());  // PyTorch's foreach and fused: None
       } else {
         entry.insert(key, value.get<double>());
       }
@@ -682,6 +684,7 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
       if (field.isDouble()) values[key] = field.toDouble();
       else if (field.isInt()) values[key] = field.toInt();
       else if (field.isBool()) values[key] = field.toBool();
+      else if (field.isNone()) values[key] = nullptr;  // PyTorch's foreach and fused
       else if (field.isTuple()) {
         const auto& elements = field.toTupleRef().elements();
         if (elements.size() != 2 || !elements[0].isDouble() || !elements[1].isDouble()) fail("'" + key + "' is not a pair of numbers");

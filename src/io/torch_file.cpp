@@ -52,8 +52,11 @@ at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType
   return at::from_blob(&no_data, shape, [](void*) {}, at::TensorOptions().dtype(dtype));
 }
 
-void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
-                               const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize) {
+namespace {
+
+// The record layout of torch::pickle_save (jit::writeArchiveAndTensors): data/<i>, then data.pkl.
+void write_archive(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize,
+                   const std::function<void(const void* data, size_t size)>& sink, const std::string& source) {
   std::vector<char> pickle;
   // Untagged aggregates: a tagged dict is a call of torch.jit._pickle.restore_type_tag, which
   // torch.load(weights_only=True), the default since PyTorch 2.6, refuses to run.
@@ -64,29 +67,38 @@ void save_torch_file_streaming(const std::string& path, const c10::IValue& value
   pickler.stop();
   const auto placeholders = pickler.tensorData();
   for (const auto& placeholder : placeholders) {
-    TORCH_CHECK(has_legacy_storage_class(placeholder.scalar_type()), "torch file '", path, "': a tensor of dtype ",
+    TORCH_CHECK(has_legacy_storage_class(placeholder.scalar_type()), "torch file '", source, "': a tensor of dtype ",
                 placeholder.scalar_type(),
                 " cannot be written in torch.save's format by libtorch (Python writes it with _rebuild_tensor_v3, "
                 "which libtorch lacks). Save such tensors in safetensors instead, or convert them first.");
   }
-  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) {
-    caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t size) -> size_t {
-      sink(bytes, size);
-      return size;
-    });
-    // The record layout of torch::pickle_save (jit::writeArchiveAndTensors): data/<i>, then data.pkl.
-    for (size_t index = 0; index < placeholders.size(); ++index) {
-      const auto& placeholder = placeholders[index];
-      auto tensor = materialize(placeholder).contiguous();
-      TORCH_CHECK(tensor.sizes() == placeholder.sizes() && tensor.scalar_type() == placeholder.scalar_type(),
-                  "save_torch_file_streaming: tensor ", index, " is ", tensor.sizes(), " ", tensor.scalar_type(),
-                  " but its placeholder is ", placeholder.sizes(), " ", placeholder.scalar_type());
-      writer.writeRecord("data/" + std::to_string(index), tensor.data_ptr(),
-                         static_cast<size_t>(tensor.numel() * tensor.element_size()));
-    }
-    writer.writeRecord("data.pkl", pickle.data(), pickle.size());
-    writer.writeEndOfFile();
+  caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t size) -> size_t {
+    sink(bytes, size);
+    return size;
   });
+  for (size_t index = 0; index < placeholders.size(); ++index) {
+    const auto& placeholder = placeholders[index];
+    auto tensor = materialize(placeholder).contiguous();
+    TORCH_CHECK(tensor.sizes() == placeholder.sizes() && tensor.scalar_type() == placeholder.scalar_type(),
+                "save_torch_file_streaming: tensor ", index, " is ", tensor.sizes(), " ", tensor.scalar_type(),
+                " but its placeholder is ", placeholder.sizes(), " ", placeholder.scalar_type());
+    writer.writeRecord("data/" + std::to_string(index), tensor.data_ptr(),
+                       static_cast<size_t>(tensor.numel() * tensor.element_size()));
+  }
+  writer.writeRecord("data.pkl", pickle.data(), pickle.size());
+  writer.writeEndOfFile();
+}
+
+}  // namespace
+
+void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
+                               const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize) {
+  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { write_archive(value, materialize, sink, path); });
+}
+
+void write_torch_archive(const c10::IValue& value, const std::function<void(const void* data, size_t size)>& sink,
+                         const std::string& source) {
+  write_archive(value, [](const at::Tensor& tensor) { return tensor; }, sink, source);
 }
 
 c10::IValue load_torch_file(const std::string& path) {

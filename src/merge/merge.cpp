@@ -320,13 +320,14 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
               "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
   if (detail::is_dcp_directory(checkpoint_dir) && !fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
     detail::DcpDirectoryReader reader(checkpoint_dir);
+    nlohmann::json extra = nlohmann::json::object();
     if (!reader.byte_item_keys().empty()) {
-      TORCH_CHECK(false, "merge: '", checkpoint_dir, "' is a DCP checkpoint with ", reader.byte_item_keys().size(),
-                  " non-tensor items (such as '", reader.byte_item_keys().front(),
-                  "': an optimizer's steps or hyper-parameters), which fsdp.cpp does not merge yet; merge the model "
-                  "directory (pytorch_model_fsdp_0)");
+      // An optimizer (its parameter groups are the byte items): merged like a FULL checkpoint's optimizer.bin.
+      const auto groups = detail::dcp_param_groups(reader, "");
+      extra["optimizer"] = groups.optimizer;
+      extra["param_groups"] = nlohmann::json::parse(groups.json);
     }
-    return write_merged(reader, nlohmann::json::object(), checkpoint_dir, output_path, options);
+    return write_merged(reader, extra, checkpoint_dir, output_path, options);
   }
   ShardedDirectoryReader reader(checkpoint_dir);
   return write_merged(reader, nlohmann::json::parse(reader.extra_json()), checkpoint_dir, output_path, options);

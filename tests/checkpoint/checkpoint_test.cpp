@@ -249,7 +249,7 @@ TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
       EXPECT_NE(message.find(expected), std::string::npos) << "expected '" << expected << "' in: " << message;
     };
     const auto marker = (fs::path(directory) / "checkpoint_complete.json").string();
-    const auto rank_file = (fs::path(directory) / "pytorch_model_fsdp_0" / "rank_00001.safetensors").string();
+    const auto rank_file = (fs::path(directory) / "pytorch_model_fsdp_0" / "__1_0.distcp").string();
     barrier(context.world());
     if (context.rank() == 0) fs::rename(marker, marker + ".away");
     barrier(context.world());
@@ -260,7 +260,7 @@ TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
       fs::rename(rank_file, rank_file + ".away");
     }
     barrier(context.world());
-    expect_load_error("lacks 'rank_00001.safetensors' (it was written by 2 ranks)");
+    expect_load_error("lacks '__1_0.distcp', which its .metadata names for 'model.");
     barrier(context.world());
     if (context.rank() == 0) fs::rename(rank_file + ".away", rank_file);
     barrier(context.world());

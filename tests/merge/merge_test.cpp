@@ -25,10 +25,14 @@ namespace {
 
 namespace fs = std::filesystem;
 
+/// How the sharded directories of the checkpoint are written: DCP (what save_checkpoint writes) or
+/// the rank-file format of earlier fsdp.cpp versions, which merge still reads.
+enum class Layout { kDcp, kRankFiles };
+
 /// Trains a sharded tiny transformer one step on `world_size` ranks and saves a SHARDED checkpoint
 /// into `directory`/checkpoint and rank 0's FULL state dict into `directory`/full.safetensors.
-void save_sharded_checkpoint(const std::string& directory, int world_size) {
-  testing::run_on_ranks(world_size, [directory](const DistributedContext& context) {
+void save_sharded_checkpoint(const std::string& directory, int world_size, Layout layout = Layout::kDcp) {
+  testing::run_on_ranks(world_size, [directory, layout](const DistributedContext& context) {
     torch::manual_seed(51);
     testing::TinyTransformer model;
     for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
@@ -43,6 +47,21 @@ void save_sharded_checkpoint(const std::string& directory, int world_size) {
         .backward();
     optimizer.step();
     save_checkpoint(directory + "/checkpoint", *model, optimizer, context, {});
+    if (layout == Layout::kRankFiles) {
+      const auto model_dir = directory + "/checkpoint/pytorch_model_fsdp_0";
+      const auto optimizer_dir = directory + "/checkpoint/optimizer_0";
+      barrier(context.world());
+      if (context.rank() == 0) {
+        fs::remove_all(model_dir);
+        fs::remove_all(optimizer_dir);
+      }
+      barrier(context.world());
+      write_sharded_directory(model_dir, sharded_model_state_dict(*model), context);
+      const auto state = sharded_optimizer_state_dict(*model, optimizer);
+      const nlohmann::json extra = {{"optimizer", state.optimizer},
+                                    {"param_groups", nlohmann::json::parse(state.param_groups_json)}};
+      write_sharded_directory(optimizer_dir, state.tensors, context, extra.dump());
+    }
     const auto full = full_model_state_dict(*model, StateDictConfig{true, true});
     if (context.rank() == 0) write_safetensors(directory + "/full.safetensors", full);
   });
@@ -122,7 +141,7 @@ TEST(Merge, ShardedOutputTorchBinAndOptimizerDirectories) {
 
 TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
   const auto root = testing::shared_temporary_directory();
-  save_sharded_checkpoint(root, 2);
+  save_sharded_checkpoint(root, 2, Layout::kRankFiles);
   if (testing::is_rank_process()) return;
   const auto checkpoint = root + "/checkpoint";
   const auto model_dir = checkpoint + "/pytorch_model_fsdp_0";
@@ -270,8 +289,8 @@ TEST(Merge, CommandLineMergesAndReportsErrors) {
       << output;
   EXPECT_NE(output.find("'lots' is not a size"), std::string::npos) << output;
   // A file is not a directory that "does not exist".
-  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0/metadata.json " + root + "/cli5", output), 1);
-  EXPECT_NE(output.find("metadata.json' is a file, not a checkpoint directory"), std::string::npos) << output;
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0/.metadata " + root + "/cli5", output), 1);
+  EXPECT_NE(output.find(".metadata' is a file, not a checkpoint directory"), std::string::npos) << output;
   // An empty size is not "no limit" (it used to merge into one file with exit 0).
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output), 1)
       << output;
@@ -297,7 +316,7 @@ TEST(Merge, ParsesByteSizes) {
 // accounted for, or nothing is merged and nothing is removed.
 TEST(Merge, MetadataThatDoesNotListEveryTensorOfTheRankFilesIsRefusedAndNothingIsRemoved) {
   const auto root = testing::shared_temporary_directory();
-  save_sharded_checkpoint(root, 2);
+  save_sharded_checkpoint(root, 2, Layout::kRankFiles);
   if (testing::is_rank_process()) return;
   const auto model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
   const auto metadata_path = model_dir + "/metadata.json";
@@ -330,7 +349,8 @@ TEST(Merge, MetadataThatDoesNotListEveryTensorOfTheRankFilesIsRefusedAndNothingI
 // Reliability): only regular files are read.
 TEST(Merge, AFifoInPlaceOfAFileIsAnErrorNotAHang) {
   const auto root = testing::shared_temporary_directory();
-  save_sharded_checkpoint(root, 2);
+  save_sharded_checkpoint(root, 2, Layout::kRankFiles);
+  save_sharded_checkpoint(root + "/dcp", 2);
   if (testing::is_rank_process()) return;
   const auto model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
   const auto rank_file = model_dir + "/rank_00001.safetensors";
@@ -340,6 +360,15 @@ TEST(Merge, AFifoInPlaceOfAFileIsAnErrorNotAHang) {
   EXPECT_NE(message.find("rank_00001.safetensors' is not a regular file"), std::string::npos) << message;
   fs::remove(rank_file);
   fs::rename(rank_file + ".away", rank_file);
+  // The same in a DCP directory.
+  const auto dcp_dir = root + "/dcp/checkpoint/pytorch_model_fsdp_0";
+  const auto dcp_file = dcp_dir + "/__1_0.distcp";
+  fs::remove(dcp_file);
+  ASSERT_EQ(::mkfifo(dcp_file.c_str(), 0600), 0);
+  message = testing::error_message_of([&] { merge_fsdp_weights(dcp_dir, root + "/out_dcp"); });
+  EXPECT_NE(message.find("lacks '__1_0.distcp', which its .metadata names for"), std::string::npos) << message;
+  EXPECT_NE(message.find("(or it is not a regular file)"), std::string::npos) << message;
+  fs::remove(dcp_file);
   const auto config = root + "/accelerate.yaml";
   ASSERT_EQ(::mkfifo(config.c_str(), 0600), 0);
   message = testing::error_message_of([&] { load_accelerate_config(config); });
@@ -379,9 +408,28 @@ TEST_P(MergeDcp, OutputEqualsAcceleratesMergeFsdpWeights) {
   for (const auto& [name, tensor] : read_safetensors(root + "/full_model.safetensors")) {
     EXPECT_TRUE(torch::equal(merged.tensor(name), tensor)) << name;
   }
-  // The optimizer directory holds non-tensor items, which are named.
-  const auto message = testing::error_message_of([&] { merge_fsdp_weights(root + "/optimizer_0", root + "/optimizer_out"); });
-  EXPECT_NE(message.find("non-tensor items (such as 'optimizer.param_groups.0.lr'"), std::string::npos) << message;
+  // The optimizer directory merges into the full optimizer state: the same tensors and parameter
+  // groups as Accelerate's merge of it (torch.save output), read back by torch.
+  merge_fsdp_weights(root + "/optimizer_0", root + "/ours_optimizer", unsafe);
+  ASSERT_TRUE(testing::run_python("accelerate_merge.py", {"merge", root + "/optimizer_0", root + "/theirs_optimizer",
+                                                           "--unsafe-only"})
+                  .ok);
+  const auto optimizer = testing::run_python_code(
+      "import torch\n"
+      "ours = torch.load('" + root + "/ours_optimizer/optimizer.bin', weights_only=True)\n"
+      "theirs = torch.load('" + root + "/theirs_optimizer/bin/pytorch_model.bin', weights_only=True)\n"
+      "assert ours['optimizer'] == 'AdamW', ours['optimizer']\n"
+      "assert ours['state'].keys() == theirs['state'].keys(), (ours['state'].keys(), theirs['state'].keys())\n"
+      "count = 0\n"
+      "for name, fields in theirs['state'].items():\n"
+      "    assert fields.keys() == ours['state'][name].keys(), name\n"
+      "    for field, tensor in fields.items():\n"
+      "        assert torch.equal(tensor, ours['state'][name][field]), (name, field)\n"
+      "        count += 1\n"
+      "assert ours['param_groups'] == theirs['param_groups'], (ours['param_groups'], theirs['param_groups'])\n"
+      "print('optimizer', count, 'tensors equal')\n");
+  ASSERT_TRUE(optimizer.ok);
+  EXPECT_NE(optimizer.output.at(0).find("optimizer 21 tensors equal"), std::string::npos) << optimizer.output.at(0);
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, MergeDcp, ::testing::Values(2, 3),
@@ -407,8 +455,8 @@ TEST(MergeDcpDamaged, ATruncatedOrMissingDataFileIsNamedAndTheInputStays) {
   fs::remove(data);
   fs::create_directory(data);  // a directory where the data file should be
   message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out", remove); });
-  EXPECT_NE(message.find("'__1_0.distcp', which the metadata names for 'model."), std::string::npos) << message;
-  EXPECT_NE(message.find("is not a regular file in the directory"), std::string::npos) << message;
+  EXPECT_NE(message.find("lacks '__1_0.distcp', which its .metadata names for 'model."), std::string::npos) << message;
+  EXPECT_NE(message.find("(or it is not a regular file)"), std::string::npos) << message;
   EXPECT_TRUE(fs::exists(model_dir));
 }
 

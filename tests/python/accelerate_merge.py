@@ -1,9 +1,10 @@
 """Accelerate's own merge_fsdp_weights, and a comparison of two merged files, for
 tests/merge/merge_test.cpp's DCP tests.
 
-    accelerate_merge.py merge CHECKPOINT_DIR OUTPUT_DIR
+    accelerate_merge.py merge CHECKPOINT_DIR OUTPUT_DIR [--unsafe-only]
         accelerate.utils.merge_fsdp_weights into OUTPUT_DIR/safe (model.safetensors) and
-        OUTPUT_DIR/bin (pytorch_model.bin).
+        OUTPUT_DIR/bin (pytorch_model.bin); with --unsafe-only the second only (an optimizer's
+        nested state cannot be a safetensors file).
     accelerate_merge.py compare OURS THEIRS
         Loads both files (safetensors, or torch.load(weights_only=True)) and exits 1 naming the first
         difference: the set of keys, a dtype, a shape, a value (bitwise), or the safetensors metadata.
@@ -40,11 +41,12 @@ def compare(ours_path, theirs_path):
 
 
 def main():
-    if len(sys.argv) == 4 and sys.argv[1] == "merge":
+    if len(sys.argv) in (4, 5) and sys.argv[1] == "merge":
         import os
         from accelerate.utils import merge_fsdp_weights
         os.makedirs(sys.argv[3], exist_ok=True)  # Accelerate creates only the last directory
-        merge_fsdp_weights(sys.argv[2], f"{sys.argv[3]}/safe", safe_serialization=True)
+        if sys.argv[4:] != ["--unsafe-only"]:
+            merge_fsdp_weights(sys.argv[2], f"{sys.argv[3]}/safe", safe_serialization=True)
         merge_fsdp_weights(sys.argv[2], f"{sys.argv[3]}/bin", safe_serialization=False)
     elif len(sys.argv) == 4 and sys.argv[1] == "compare":
         compare(sys.argv[2], sys.argv[3])

@@ -1,0 +1,374 @@
+#include "checkpoint/dcp_writer.h"
+
+#include <ATen/ATen.h>
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <map>
+
+#include <fsdp/safetensors.h>
+#include <fsdp/sharded_checkpoint.h>
+#include <fsdp/torch_file.h>
+
+#include "checkpoint/agreement.h"
+#include "dist/control_channel.h"
+#include "io/atomic_file.h"
+#include "io/pickle_writer.h"
+#include "checkpoint/optimizer_state.h"
+
+namespace fsdp::detail {
+namespace {
+
+namespace fs = std::filesystem;
+
+constexpr const char* kMetadataModule = "torch.distributed.checkpoint.metadata";
+// What torch 2.13's FileSystemWriter records as Metadata.version.
+constexpr const char* kMetadataVersion = "1.0.0";
+
+std::string rank_file_name(int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+
+// One item this rank wrote: a chunk of a tensor (offsets and sizes) or a byte item (no offsets).
+struct WrittenItem {
+  std::string key;
+  bool is_bytes = false;
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+  std::string file;
+  int64_t offset = 0;
+  int64_t length = 0;
+};
+
+nlohmann::json to_json(const WrittenItem& item) {
+  return {{"key", item.key}, {"bytes", item.is_bytes}, {"offsets", item.offsets}, {"sizes", item.sizes},
+          {"file", item.file},  {"offset", item.offset},  {"length", item.length}};
+}
+
+WrittenItem from_json(const nlohmann::json& value) {
+  WrittenItem item;
+  item.key = value.at("key").get<std::string>();
+  item.is_bytes = value.at("bytes").get<bool>();
+  item.offsets = value.at("offsets").get<std::vector<int64_t>>();
+  item.sizes = value.at("sizes").get<std::vector<int64_t>>();
+  item.file = value.at("file").get<std::string>();
+  item.offset = value.at("offset").get<int64_t>();
+  item.length = value.at("length").get<int64_t>();
+  return item;
+}
+
+// A tensor whose storage is exactly its elements: DCP's loader reads the archive's storage as the chunk.
+at::Tensor compact(const at::Tensor& tensor) {
+  auto result = tensor.contiguous();
+  if (result.storage_offset() != 0 ||
+      static_cast<int64_t>(result.storage().nbytes()) != result.numel() * static_cast<int64_t>(result.element_size())) {
+    result = result.clone();
+  }
+  return result;
+}
+
+// Python's pickle of the DCP dataclasses, in the order Python's pickler emits them.
+class MetadataPickle {
+ public:
+  // torch.Size((values...)): REDUCE of the class with a one-element argument tuple.
+  void size(const std::vector<int64_t>& values) {
+    out_.global("torch", "Size");
+    out_.mark();
+    out_.mark();
+    for (const auto value : values) out_.integer(value);
+    out_.tuple_from_mark();
+    out_.tuple_from_mark();
+    out_.reduce();
+  }
+
+  // Begins a dataclass instance: class, NEWOBJ, then the field dict opened for SETITEMS.
+  void begin_dataclass(const std::string& module, const std::string& name) {
+    out_.global(module, name);
+    out_.empty_tuple();
+    out_.new_object();
+    out_.empty_dict();
+    out_.mark();
+  }
+  void end_dataclass() {
+    out_.set_items_from_mark();
+    out_.build();
+  }
+
+  void tensor_properties(c10::ScalarType dtype) {
+    out_.global(kMetadataModule, "TensorProperties");
+    out_.empty_tuple();
+    out_.new_object();
+    // TensorProperties.__getstate__: (dtype, layout, requires_grad, memory format, pin_memory).
+    out_.mark();
+    out_.global("torch", dtype_name(dtype));
+    out_.global("torch.serialization", "_get_layout");
+    out_.mark();
+    out_.string("torch.strided");
+    out_.tuple_from_mark();
+    out_.reduce();
+    out_.boolean(false);
+    out_.global(kMetadataModule, "_MEM_FORMAT_ENCODING");
+    out_.mark();
+    out_.integer(0);  // TORCH_CONTIGUOUS_FORMAT
+    out_.tuple_from_mark();
+    out_.reduce();
+    out_.boolean(false);
+    out_.tuple_from_mark();
+    out_.build();
+  }
+
+  PickleWriter& out() { return out_; }
+
+  static std::string dtype_name(c10::ScalarType dtype) {
+    switch (dtype) {
+      case c10::kDouble: return "float64";
+      case c10::kFloat: return "float32";
+      case c10::kHalf: return "float16";
+      case c10::kBFloat16: return "bfloat16";
+      case c10::kLong: return "int64";
+      case c10::kInt: return "int32";
+      case c10::kShort: return "int16";
+      case c10::kChar: return "int8";
+      case c10::kByte: return "uint8";
+      case c10::kBool: return "bool";
+      case c10::kComplexFloat: return "complex64";
+      case c10::kComplexDouble: return "complex128";
+      default: TORCH_CHECK(false, "a DCP checkpoint cannot hold a tensor of dtype ", dtype, " written by fsdp.cpp");
+    }
+  }
+
+ private:
+  PickleWriter out_;
+};
+
+}  // namespace
+
+std::string dcp_flat_key(const DcpPath& path) {
+  std::string key;
+  for (size_t index = 0; index < path.size(); ++index) {
+    if (index) key += ".";
+    key += path[index].index >= 0 ? std::to_string(path[index].index) : path[index].key;
+  }
+  return key;
+}
+
+std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state) {
+  std::vector<DcpTensorEntry> entries;
+  for (const auto& [name, tensor] : state) entries.push_back({{{"model"}, {name}}, tensor});
+  return entries;
+}
+
+void write_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                         const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
+                         const std::string& save_id) {
+  const int64_t rank = context.rank();
+  const auto metadata_path = (fs::path(directory) / ".metadata").string();
+  // An earlier checkpoint here stops being one before any of its files is replaced.
+  run_on_every_rank(context, [&] {
+    fs::create_directories(directory);
+    if (rank != 0) return;
+    fs::remove(metadata_path);
+    fs::remove(fs::path(directory) / kShardedMetadataFile);
+  });
+
+  const auto file = rank_file_name(rank);
+  std::vector<WrittenItem> written;
+  std::string report;
+  try {
+    write_file_atomically((fs::path(directory) / file).string(), [&](const ByteSink& sink) {
+      int64_t position = 0;
+      auto counted = [&](const void* data, size_t size) {
+        sink(data, size);
+        position += static_cast<int64_t>(size);
+      };
+      // Byte items first, then tensors, as FileSystemWriter orders a file.
+      if (rank == 0) {
+        for (const auto& entry : byte_items) {
+          WrittenItem item;
+          item.key = dcp_flat_key(entry.path);
+          item.is_bytes = true;
+          item.file = file;
+          item.offset = position;
+          write_torch_archive(entry.value, counted, directory + "/" + file);
+          item.length = position - item.offset;
+          written.push_back(std::move(item));
+        }
+      }
+      for (const auto& entry : tensors) {
+        const auto& tensor = entry.tensor;
+        if ((tensor.replicated && rank != 0) || tensor.duplicate) continue;
+        const bool scalar = tensor.global_shape.empty();
+        // A sharded tensor's rank without rows has no chunk; a tensor with no elements at all still
+        // gets one (from rank 0) so that the metadata lists it.
+        if (!tensor.replicated && tensor.local.numel() == 0) {
+          const bool empty_tensor = !scalar && tensor.global_shape[0] == 0;
+          if (!(empty_tensor && rank == 0)) continue;
+        }
+        WrittenItem item;
+        item.key = dcp_flat_key(entry.path);
+        item.file = file;
+        at::Tensor chunk = scalar ? tensor.local.reshape({}) : tensor.local;
+        item.sizes = chunk.sizes().vec();
+        item.offsets.assign(item.sizes.size(), 0);
+        if (!scalar && !tensor.replicated) item.offsets[0] = tensor.row_offset;
+        item.offset = position;
+        write_torch_archive(compact(chunk), counted, directory + "/" + file);
+        item.length = position - item.offset;
+        written.push_back(std::move(item));
+      }
+    });
+    auto items = nlohmann::json::array();
+    for (const auto& item : written) items.push_back(to_json(item));
+    report = items.dump();
+  } catch (const std::exception& error) {
+    report = "ERROR:" + message_of(error);
+  }
+  // Rank 0 learns every rank's items only after each has written its file, so the metadata never
+  // describes a file that does not exist yet.
+  const auto reports = all_gather_strings(context, report);
+  for (size_t other = 0; other < reports.size(); ++other) {
+    TORCH_CHECK(reports[other].rfind("ERROR:", 0) != 0, "writing DCP checkpoint '", directory, "': rank ", other,
+                " failed: ", reports[other].substr(6));
+  }
+  run_on_every_rank(context, [&] {
+    if (rank != 0) return;
+    std::map<std::string, std::vector<WrittenItem>> chunks;  // key -> chunks in rank order
+    for (const auto& text : reports) {
+      for (const auto& value : nlohmann::json::parse(text)) {
+        auto item = from_json(value);
+        chunks[item.key].push_back(std::move(item));
+      }
+    }
+    MetadataPickle pickle;
+    auto& out = pickle.out();
+    pickle.begin_dataclass(kMetadataModule, "Metadata");
+    out.string("state_dict_metadata");
+    out.empty_dict();
+    out.mark();
+    for (const auto& entry : byte_items) {
+      out.string(dcp_flat_key(entry.path));
+      out.global(kMetadataModule, "BytesStorageMetadata");
+      out.empty_tuple();
+      out.new_object();
+      out.empty_dict();
+      out.build();
+    }
+    for (const auto& entry : tensors) {
+      const auto key = dcp_flat_key(entry.path);
+      const auto found = chunks.find(key);
+      TORCH_INTERNAL_ASSERT(found != chunks.end(), "DCP writer: no rank wrote tensor '", key, "'");
+      out.string(key);
+      pickle.begin_dataclass(kMetadataModule, "TensorStorageMetadata");
+      out.string("properties");
+      pickle.tensor_properties(entry.tensor.local.scalar_type());
+      out.string("size");
+      pickle.size(entry.tensor.global_shape);
+      out.string("chunks");
+      out.empty_list();
+      out.mark();
+      for (const auto& chunk : found->second) {
+        pickle.begin_dataclass(kMetadataModule, "ChunkStorageMetadata");
+        out.string("offsets");
+        pickle.size(chunk.offsets);
+        out.string("sizes");
+        pickle.size(chunk.sizes);
+        pickle.end_dataclass();
+      }
+      out.appends_from_mark();
+      pickle.end_dataclass();
+    }
+    out.set_items_from_mark();
+
+    // planner_data: each key's path, so that loaders rebuild the nesting.
+    out.string("planner_data");
+    out.empty_dict();
+    out.mark();
+    auto path_of = [&](const DcpPath& path) {
+      out.mark();
+      for (const auto& element : path) {
+        if (element.index >= 0) out.integer(element.index);
+        else out.string(element.key);
+      }
+      out.tuple_from_mark();
+    };
+    for (const auto& entry : byte_items) {
+      out.string(dcp_flat_key(entry.path));
+      path_of(entry.path);
+    }
+    for (const auto& entry : tensors) {
+      out.string(dcp_flat_key(entry.path));
+      path_of(entry.path);
+    }
+    out.set_items_from_mark();
+
+    out.string("storage_data");
+    out.empty_dict();
+    out.mark();
+    auto storage_of = [&](const WrittenItem& item, int64_t index) {
+      pickle.begin_dataclass(kMetadataModule, "MetadataIndex");
+      out.string("fqn");
+      out.string(item.key);
+      out.string("offset");
+      if (item.is_bytes) out.none();
+      else pickle.size(item.offsets);
+      out.string("index");
+      if (item.is_bytes) out.none();
+      else out.integer(index);
+      pickle.end_dataclass();
+      pickle.begin_dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+      out.string("relative_path");
+      out.string(item.file);
+      out.string("offset");
+      out.integer(item.offset);
+      out.string("length");
+      out.integer(item.length);
+      pickle.end_dataclass();
+    };
+    for (const auto& [key, items] : chunks) {
+      for (size_t index = 0; index < items.size(); ++index) storage_of(items[index], static_cast<int64_t>(index));
+    }
+    out.set_items_from_mark();
+
+    out.string("storage_meta");
+    pickle.begin_dataclass(kMetadataModule, "StorageMeta");
+    out.string("checkpoint_id");
+    out.none();
+    out.string("save_id");
+    out.string(save_id);
+    out.string("load_id");
+    out.none();
+    out.string("modules");
+    out.empty_list();
+    pickle.end_dataclass();
+    out.string("version");
+    out.string(kMetadataVersion);
+    pickle.end_dataclass();
+    write_file_atomically(metadata_path, out.finish());
+  });
+}
+
+}  // namespace fsdp::detail
+
+namespace fsdp::detail {
+
+void optimizer_dcp_entries(const OptimizerStateDict& state, std::vector<DcpTensorEntry>& tensors,
+                           std::vector<DcpByteEntry>& byte_items) {
+  for (const auto& [name, tensor] : state.tensors) {
+    // "state.<parameter>.<field>": the field is the last component; parameter names contain dots.
+    const auto last_dot = name.rfind('.');
+    TORCH_INTERNAL_ASSERT(name.rfind("state.", 0) == 0 && last_dot != std::string::npos && last_dot > 6,
+                          "optimizer state tensor '", name, "'");
+    tensors.push_back({{{"optimizer"}, {"state"}, {name.substr(6, last_dot - 6)}, {name.substr(last_dot + 1)}}, tensor});
+  }
+  const auto groups = nlohmann::json::parse(state.param_groups_json);
+  for (size_t index = 0; index < groups.size(); ++index) {
+    const auto& group = groups[index];
+    const DcpPathElement position{"", static_cast<int64_t>(index)};
+    for (auto& [option, value] : pytorch_param_group(state.optimizer, group)) {
+      byte_items.push_back({{{"optimizer"}, {"param_groups"}, position, {option}}, std::move(value)});
+    }
+    c10::impl::GenericList names(c10::StringType::get());
+    for (const auto& name : group.at("params")) names.push_back(name.get<std::string>());
+    byte_items.push_back({{{"optimizer"}, {"param_groups"}, position, {"params"}}, names});
+  }
+}
+
+}  // namespace fsdp::detail

@@ -1,0 +1,99 @@
+// SHARDED checkpoints are PyTorch distributed checkpoints (src/checkpoint/dcp_writer.h): what
+// save_checkpoint writes on N ranks, the venv's PyTorch loads into an FSDP2 model on M ranks (M not N)
+// the way Accelerate's load_fsdp_model / load_fsdp_optimizer do, and gets fsdp.cpp's weights and
+// AdamW state bitwise; dcp_to_torch_save converts both directories (tests/python/dcp_load_ours.py).
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <filesystem>
+
+#include <fsdp/fsdp.h>
+
+#include "checkpoint/dcp_metadata.h"
+#include "harness/multi_rank.h"
+#include "harness/python_peer.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+// The Sequential of dcp_load_ours.py (and dcp_fixture.py), with the same parameter names.
+struct FourLinearsImpl : torch::nn::Module {
+  FourLinearsImpl()
+      : first(register_module("0", torch::nn::Linear(3, 5))),
+        second(register_module("1", torch::nn::Linear(5, 7))),
+        third(register_module("2", torch::nn::Linear(7, 3))),
+        fourth(register_module("3", torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = fsdp::forward(first, x);
+    x = fsdp::forward(second, x);
+    x = fsdp::forward(third, x);
+    return fsdp::forward(fourth, x);
+  }
+  torch::nn::Linear first, second, third, fourth;
+};
+TORCH_MODULE(FourLinears);
+
+class DcpWrittenByUs : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(DcpWrittenByUs, PyTorchLoadsItOnAnotherNumberOfRanksBitwise) {
+  const auto [saving_ranks, loading_ranks] = GetParam();
+  const auto root = testing::shared_temporary_directory();
+  testing::run_on_ranks(saving_ranks, [root](const DistributedContext& context) {
+    torch::manual_seed(7);
+    FourLinears model;
+    fully_shard(model->first.ptr(), context);
+    fully_shard(model->second.ptr(), context);
+    fully_shard(model->third.ptr(), context);
+    fully_shard(model->fourth.ptr(), context);
+    fully_shard(model.ptr(), context);
+    torch::optim::AdamW optimizer(model->parameters(),
+                                  torch::optim::AdamWOptions(0.01).betas({0.8, 0.9}).weight_decay(0.1));
+    for (int step = 0; step < 2; ++step) {
+      torch::manual_seed(100 + step);
+      const auto batch = torch::randn({6, 3});
+      const int64_t local = 6 / context.world_size();
+      fsdp::forward(model, batch.narrow(0, context.rank() * local, local)).pow(2).sum().backward();
+      optimizer.step();
+      optimizer.zero_grad();
+    }
+    save_checkpoint(root + "/checkpoint", *model, optimizer, context, {});
+    const auto full_model = full_model_state_dict(*model, StateDictConfig{true, true});
+    const auto full_optimizer = full_optimizer_state_dict(*model, optimizer, StateDictConfig{true, true});
+    if (context.rank() != 0) return;
+    write_safetensors(root + "/expected_model.safetensors", full_model);
+    TensorList optimizer_tensors;
+    for (const auto& [name, tensor] : full_optimizer.tensors) optimizer_tensors.emplace_back(name, tensor.local);
+    write_safetensors(root + "/expected_optimizer.safetensors", optimizer_tensors);
+  });
+  if (testing::is_rank_process()) return;
+  // The layout PyTorch's FileSystemWriter makes, and nothing of the rank-file format.
+  for (const std::string directory : {"pytorch_model_fsdp_0", "optimizer_0"}) {
+    const auto path = root + "/checkpoint/" + directory;
+    EXPECT_TRUE(fs::is_regular_file(path + "/.metadata")) << path;
+    for (int rank = 0; rank < saving_ranks; ++rank) {
+      EXPECT_TRUE(fs::is_regular_file(path + "/__" + std::to_string(rank) + "_0.distcp")) << path << " rank " << rank;
+    }
+    EXPECT_FALSE(fs::exists(path + "/metadata.json")) << path;
+  }
+  const auto metadata = detail::read_dcp_metadata(root + "/checkpoint/pytorch_model_fsdp_0");
+  EXPECT_EQ(metadata.version, "1.0.0");
+  EXPECT_EQ(metadata.keys.size(), 7u);
+  testing::PythonOptions options;
+  options.world_size = loading_ranks;
+  const auto result = testing::run_python("dcp_load_ours.py", {root}, options);
+  ASSERT_TRUE(result.ok);
+  EXPECT_NE(result.output.at(0).find("loaded 7 model and 21 optimizer tensors bitwise on " + std::to_string(loading_ranks) +
+                                     " ranks"),
+            std::string::npos)
+      << result.output.at(0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, DcpWrittenByUs, ::testing::Values(std::make_pair(2, 3), std::make_pair(3, 2)),
+                         [](const ::testing::TestParamInfo<std::pair<int, int>>& info) {
+                           return "From" + std::to_string(info.param.first) + "To" + std::to_string(info.param.second);
+                         });
+
+}  // namespace
+}  // namespace fsdp
