@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <string>
+#include <vector>
 
 #include <fsdp/state_dict_options.h>
 #include <fsdp/process_group.h>
@@ -34,6 +35,10 @@ struct TrainingProgress {
   int64_t data_position = 0;
   /// The learning-rate scheduler's state. Default: empty.
   std::map<std::string, double> scheduler;
+  /// Set by load_checkpoint: what the checkpoint holds that could not be restored (in a checkpoint
+  /// Accelerate wrote: NumPy's and Python's generators, a PyTorch scheduler, ...), also named in one
+  /// warning. Default: empty.
+  std::vector<std::string> not_restored;
 };
 
 struct CheckpointOptions {
@@ -56,6 +61,9 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
 
 /// Loads a checkpoint written by save_checkpoint (its layout is recognized from the files), restores
 /// this rank's generator state and returns the progress. SHARDED checkpoints load on any world size.
+/// A directory Accelerate's save_state wrote under FSDP2 with SHARDED_STATE_DICT (DCP model and
+/// optimizer, random_states_<r>.pkl, no marker) loads too: step is the optimizer's step count, this
+/// rank's CPU generator is restored, and the rest is listed in `not_restored` and one warning.
 /// FULL: with `options.state_dict_config.rank0_only` (and `optim_state_dict_config.rank0_only` for
 /// optimizer.bin) only rank 0 reads the file and every other rank receives its rows, one tensor at a
 /// time; without it every rank reads the file and keeps its rows. Collective.
@@ -63,7 +71,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
                                  torch::optim::Optimizer& optimizer, const DistributedContext& context,
                                  const CheckpointOptions& options = {});
 
-/// Whether `directory` holds a finished checkpoint (its completion marker exists).
+/// Whether `directory` holds a finished checkpoint: its completion marker exists, or Accelerate wrote it
+/// and both DCP directories and rank 0's random states are there.
 bool is_complete_checkpoint(const std::string& directory);
 
 }  // namespace fsdp

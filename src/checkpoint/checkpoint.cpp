@@ -8,6 +8,7 @@
 #include <functional>
 #include <optional>
 #include <random>
+#include <cmath>
 #include <fstream>
 #include <sstream>
 
@@ -18,6 +19,7 @@
 #include <fsdp/torch_file.h>
 #include <fsdp/version.h>
 
+#include "checkpoint/accelerate_states.h"
 #include "checkpoint/agreement.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/dcp_writer.h"
@@ -148,9 +150,100 @@ void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optim
   load_optimizer_state_dict(model, optimizer, extra["optimizer"].get<std::string>(), extra["param_groups"].dump(), reader);
 }
 
+// Accelerate's save_state (FSDP2, SHARDED_STATE_DICT) writes no marker of ours. Its checkpoint is
+// complete when both DCP directories have their .metadata (PyTorch writes it last, once every rank
+// has written its file) and rank 0's random states exist (Accelerate writes them after the model
+// and the optimizer).
+bool is_accelerate_checkpoint(const std::string& directory) {
+  std::error_code error;
+  return !fs::exists(path_in(directory, kMarker), error) && detail::is_dcp_directory(path_in(directory, kShardedModel)) &&
+         detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) &&
+         fs::is_regular_file(path_in(directory, random_states_file(0)), error);
+}
+
+// Accelerate's random states hold NumPy's generator; fsdp.cpp's never do.
+bool random_states_from_accelerate(const std::string& directory) {
+  try {
+    const auto states = detail::read_accelerate_random_states(path_in(directory, random_states_file(0)));
+    for (const auto& entry : states.not_restored) {
+      if (entry.rfind("numpy_random_seed", 0) == 0) return true;
+    }
+  } catch (const std::exception&) {
+  }
+  return false;
+}
+
+int64_t count_random_states(const std::string& directory) {
+  int64_t count = 0;
+  std::error_code error;
+  while (count < (int64_t{1} << 20) && fs::is_regular_file(path_in(directory, random_states_file(count)), error)) ++count;
+  return count;
+}
+
+// The progress of a checkpoint Accelerate wrote: the optimizer's step count (Accelerate's own
+// "step" counts micro-steps of gradient accumulation, not optimizer steps), this rank's CPU
+// generator, and the names of everything that cannot be restored here, in one warning.
+TrainingProgress load_accelerate_progress(const std::string& directory, const DistributedContext& context,
+                                          int64_t saved_world_size, const TensorSource& optimizer_source) {
+  TrainingProgress progress;
+  std::vector<std::string> not_restored;
+  const auto& reader = dynamic_cast<const detail::DcpDirectoryReader&>(optimizer_source);
+  bool has_step = false;
+  for (const auto& name : reader.names()) {
+    if (name.rfind("state.", 0) != 0 || name.size() < 5 || name.compare(name.size() - 5, 5, ".step") != 0) continue;
+    const double step = reader.rows(name, 0, 1).item<double>();
+    TORCH_CHECK(std::isfinite(step) && step >= 0 && step < 9.0e15, reader.description(), ": '", name, "' is ", step,
+                ", not a step count");
+    progress.step = static_cast<int64_t>(step);
+    has_step = true;
+    break;
+  }
+  if (!has_step) not_restored.push_back("the step count (the optimizer keeps none; resumed at step 0)");
+  if (context.rank() < saved_world_size) {
+    const auto path = path_in(directory, random_states_file(context.rank()));
+    auto states = detail::read_accelerate_random_states(path);
+    if (states.torch_cpu_state.defined()) {
+      auto generator = at::detail::getDefaultCPUGenerator();
+      std::lock_guard<std::mutex> lock(generator.mutex());
+      try {
+        generator.set_state(states.torch_cpu_state);
+      } catch (const c10::Error& failure) {
+        TORCH_CHECK(false, "'", path, "': torch_manual_seed is not a CPU generator state (",
+                    failure.what_without_backtrace(), ")");
+      }
+    } else {
+      not_restored.push_back(random_states_file(context.rank()) + " holds no torch_manual_seed");
+    }
+    for (const auto& entry : states.not_restored) not_restored.push_back(random_states_file(context.rank()) + ": " + entry);
+  }
+  const std::vector<std::pair<std::string, std::string>> others = {
+      {kScheduler, "a PyTorch LR scheduler's state; fsdp.cpp has none of PyTorch's schedulers, so set the learning "
+                   "rate of the resumed step yourself"},
+      {"sampler.bin", "a data sampler's state"},
+      {kDataPosition, "a stateful data loader's position"},
+      {"scaler.pt", "a gradient scaler's state"}};
+  for (const auto& [file, what] : others) {
+    if (fs::exists(path_in(directory, file))) not_restored.push_back(file + " (" + what + ")");
+  }
+  for (const auto& item : fs::directory_iterator(directory)) {
+    const auto name = item.path().filename().string();
+    if (name.rfind("custom_checkpoint_", 0) == 0) not_restored.push_back(name + " (an object registered for checkpointing)");
+  }
+  progress.not_restored = not_restored;
+  if (context.rank() == 0 && !not_restored.empty()) {
+    std::string text = "checkpoint '" + directory + "' was written by Accelerate; resumed at optimizer step " +
+                       std::to_string(progress.step) + " with its model and optimizer. Not restored:";
+    for (const auto& entry : not_restored) text += "\n  - " + entry;
+    TORCH_WARN(text);
+  }
+  return progress;
+}
+
 }  // namespace
 
-bool is_complete_checkpoint(const std::string& directory) { return fs::exists(path_in(directory, kMarker)); }
+bool is_complete_checkpoint(const std::string& directory) {
+  return fs::exists(path_in(directory, kMarker)) || is_accelerate_checkpoint(directory);
+}
 
 void save_checkpoint(const std::string& directory, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
                      const DistributedContext& context, const TrainingProgress& progress,
@@ -227,69 +320,83 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   std::optional<OptimizerStateDict> full_optimizer;
   const bool model_from_rank0 = options.state_dict_config.rank0_only;
   const bool optimizer_from_rank0 = options.optim_state_dict_config.rank0_only;
+  bool written_by_accelerate = false;
   std::string error;
   try {
     const auto marker_path = path_in(directory, kMarker);
     TORCH_CHECK(fs::is_directory(directory), "checkpoint directory '", directory, "' does not exist");
-    TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
-                " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
-                "Load an earlier checkpoint");
-    std::ifstream file(marker_path);
-    std::stringstream text;
-    text << file.rdbuf();
-    nlohmann::json marker;
-    try {
-      marker = nlohmann::json::parse(text.str());
-    } catch (const nlohmann::json::exception& failure) {
-      TORCH_CHECK(false, "'", marker_path, "' is not valid JSON (", failure.what(), ")");
-    }
-    TORCH_CHECK(marker.is_object() && marker.contains("state_dict_type") && marker["state_dict_type"].is_string() &&
-                    marker.contains("world_size") && marker["world_size"].is_number_integer() &&
-                    (!marker.contains("step") || marker["step"].is_number_integer()),
-                "'", marker_path, "' lacks state_dict_type (a string), world_size or step (integers)");
-    type = type_from_name(marker["state_dict_type"].get<std::string>(), marker_path);
-    saved_world_size = marker["world_size"].get<int64_t>();
-    step = marker.value("step", int64_t{0});
-    TORCH_CHECK(step >= 0 && saved_world_size >= 1, "'", marker_path, "' says step ", step, " and world_size ",
-                saved_world_size, "; a checkpoint has a step of 0 or more and at least one rank. The marker is damaged: "
-                "load an earlier checkpoint");
-    if (type == StateDictType::kFullStateDict) {
-      const std::string recorded = marker.contains("model_file") && marker["model_file"].is_string()
-                                       ? marker["model_file"].get<std::string>()
-                                       : std::string(kFullModelBin);
-      TORCH_CHECK(recorded == kFullModelBin || recorded == kFullModelSafetensors, "'", marker_path,
-                  "' names model file '", recorded, "'");
-      model_file = path_in(directory, recorded);
-      TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", recorded);
-      TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
-                  kFullOptimizer);
-      // rank0_only: rank 0 alone reads the full files, and the others receive their rows.
-      if (context.rank() == 0 || !model_from_rank0) {
-        TensorList tensors;
-        if (recorded == kFullModelSafetensors) {
-          tensors = read_safetensors(model_file);
-        } else {
-          tensors = tensor_dict_items(load_torch_file(model_file), model_file);
-        }
-        full_source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
-      }
-      if (context.rank() == 0 && optimizer_from_rank0) {
-        const auto optimizer_path = path_in(directory, kFullOptimizer);
-        full_optimizer = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
-      }
-    } else {
-      if (type == StateDictType::kShardedStateDict) {
-        model_reader = open_sharded_directory(path_in(directory, kShardedModel));
-      } else {
-        TORCH_CHECK(saved_world_size == context.world_size(), "checkpoint directory '", directory,
-                    "' holds a LOCAL_STATE_DICT saved by ", saved_world_size, " ranks; it loads only on ",
-                    saved_world_size, " ranks, not ", context.world_size(),
-                    ". Save with SHARDED_STATE_DICT to change the number of ranks");
-        model_file = path_in(directory, local_model_file(context.rank()));
-        TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ",
-                    local_model_file(context.rank()));
-      }
+    if (is_accelerate_checkpoint(directory)) {
+      written_by_accelerate = true;
+      saved_world_size = count_random_states(directory);
+      model_reader = open_sharded_directory(path_in(directory, kShardedModel));
       optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+    } else {
+      TORCH_CHECK(fs::exists(marker_path) || !random_states_from_accelerate(directory), "checkpoint directory '",
+                  directory, "' was written by Accelerate (its ", random_states_file(0),
+                  " holds NumPy's generator), but not as a complete SHARDED_STATE_DICT checkpoint: fsdp.cpp resumes "
+                  "Accelerate's checkpoints whose ", kShardedModel, "/ and ", kShardedOptimizer,
+                  "/ are DCP directories with their .metadata; FULL_STATE_DICT and LOCAL_STATE_DICT files are Python "
+                  "pickles it does not read. Save with SHARDED_STATE_DICT, or load only the weights");
+      TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
+                  " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
+                  "Load an earlier checkpoint");
+      std::ifstream file(marker_path);
+      std::stringstream text;
+      text << file.rdbuf();
+      nlohmann::json marker;
+      try {
+        marker = nlohmann::json::parse(text.str());
+      } catch (const nlohmann::json::exception& failure) {
+        TORCH_CHECK(false, "'", marker_path, "' is not valid JSON (", failure.what(), ")");
+      }
+      TORCH_CHECK(marker.is_object() && marker.contains("state_dict_type") && marker["state_dict_type"].is_string() &&
+                      marker.contains("world_size") && marker["world_size"].is_number_integer() &&
+                      (!marker.contains("step") || marker["step"].is_number_integer()),
+                  "'", marker_path, "' lacks state_dict_type (a string), world_size or step (integers)");
+      type = type_from_name(marker["state_dict_type"].get<std::string>(), marker_path);
+      saved_world_size = marker["world_size"].get<int64_t>();
+      step = marker.value("step", int64_t{0});
+      TORCH_CHECK(step >= 0 && saved_world_size >= 1, "'", marker_path, "' says step ", step, " and world_size ",
+                  saved_world_size, "; a checkpoint has a step of 0 or more and at least one rank. The marker is damaged: "
+                  "load an earlier checkpoint");
+      if (type == StateDictType::kFullStateDict) {
+        const std::string recorded = marker.contains("model_file") && marker["model_file"].is_string()
+                                         ? marker["model_file"].get<std::string>()
+                                         : std::string(kFullModelBin);
+        TORCH_CHECK(recorded == kFullModelBin || recorded == kFullModelSafetensors, "'", marker_path,
+                    "' names model file '", recorded, "'");
+        model_file = path_in(directory, recorded);
+        TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", recorded);
+        TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
+                    kFullOptimizer);
+        // rank0_only: rank 0 alone reads the full files, and the others receive their rows.
+        if (context.rank() == 0 || !model_from_rank0) {
+          TensorList tensors;
+          if (recorded == kFullModelSafetensors) {
+            tensors = read_safetensors(model_file);
+          } else {
+            tensors = tensor_dict_items(load_torch_file(model_file), model_file);
+          }
+          full_source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
+        }
+        if (context.rank() == 0 && optimizer_from_rank0) {
+          const auto optimizer_path = path_in(directory, kFullOptimizer);
+          full_optimizer = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
+        }
+      } else {
+        if (type == StateDictType::kShardedStateDict) {
+          model_reader = open_sharded_directory(path_in(directory, kShardedModel));
+        } else {
+          TORCH_CHECK(saved_world_size == context.world_size(), "checkpoint directory '", directory,
+                      "' holds a LOCAL_STATE_DICT saved by ", saved_world_size, " ranks; it loads only on ",
+                      saved_world_size, " ranks, not ", context.world_size(),
+                      ". Save with SHARDED_STATE_DICT to change the number of ranks");
+          model_file = path_in(directory, local_model_file(context.rank()));
+          TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ",
+                      local_model_file(context.rank()));
+        }
+        optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+      }
     }
   } catch (const std::exception& failure) {
     error = message_of(failure);
@@ -329,7 +436,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         load_optimizer_from_directory(model, optimizer, *optimizer_reader);
         break;
     }
-    progress = load_progress(directory, context, saved_world_size, step);
+    progress = written_by_accelerate ? load_accelerate_progress(directory, context, saved_world_size, *optimizer_reader)
+                                     : load_progress(directory, context, saved_world_size, step);
   });
   return progress;
 }

@@ -6,6 +6,9 @@
 #include <unordered_map>
 
 namespace fsdp::detail {
+
+const char* const kPersistentLoad = "persistent_load";
+
 namespace {
 
 using Kind = PickleValue::Kind;
@@ -194,6 +197,20 @@ class Machine {
                       callee->describe(), ", which is not a class or function reference");
           TORCH_CHECK(arguments->kind == Kind::kTuple, where(at), "the arguments of ", callee->text, " are a ",
                       arguments->describe(), ", not a tuple");
+          auto* object = make(Kind::kObject);
+          object->callee = callee;
+          object->arguments = arguments;
+          push(object);
+          break;
+        }
+        case 'Q': {  // BINPERSID: persistent_load(pid), how torch.save refers to its storages
+          auto* pid = pop(at);
+          TORCH_CHECK(allowed_.count(kPersistentLoad), where(at),
+                      "a persistent reference (BINPERSID), which this file type does not hold");
+          auto* callee = make(Kind::kGlobal);
+          callee->text = kPersistentLoad;
+          auto* arguments = make(Kind::kTuple);
+          arguments->items.push_back(pid);
           auto* object = make(Kind::kObject);
           object->callee = callee;
           object->arguments = arguments;

@@ -48,6 +48,11 @@ struct PickleDocument {
   const PickleValue* root = nullptr;
 };
 
+/// The name under which a persistent reference (BINPERSID: torch.save's storages) appears, as an
+/// Object whose callee is this name and whose one argument is the reference; allowed only when
+/// `allowed_globals` holds it.
+extern const char* const kPersistentLoad;
+
 /// Runs the pickle in `data` (protocols 2 to 5 and the opcodes Python's pickler emits for builtins,
 /// dataclasses and reduce tuples). `allowed_globals` lists "module.name" entries the pickle may
 /// reference; `source` names the file in errors.

@@ -1,0 +1,152 @@
+// Resuming from what Accelerate wrote (src/checkpoint/accelerate_states.h, checkpoint.h): a
+// checkpoint tests/python/accelerate_checkpoint.py saves with Accelerate's own save_fsdp_model,
+// save_fsdp_optimizer and save_accelerator_state under FSDP2 on 2 ranks, found by
+// Accelerator::latest_checkpoint as checkpoints/checkpoint_0 and loaded by Accelerator::load_state
+// on 2 and 3 ranks, continues with the losses PyTorch got continuing from it (within 1e-5); what
+// cannot be restored (NumPy's and Python's generators, the PyTorch scheduler) is named.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <nlohmann/json.hpp>
+
+#include <filesystem>
+#include <fstream>
+
+#include <fsdp/fsdp.h>
+
+#include "checkpoint/accelerate_states.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+#include "harness/python_peer.h"
+
+namespace fsdp {
+namespace {
+
+namespace fs = std::filesystem;
+
+// accelerate_checkpoint.py's MODEL, with the same parameter names.
+struct FourLinearsImpl : torch::nn::Module {
+  FourLinearsImpl()
+      : first(register_module("0", torch::nn::Linear(3, 5))),
+        second(register_module("1", torch::nn::Linear(5, 7))),
+        third(register_module("2", torch::nn::Linear(7, 3))),
+        fourth(register_module("3", torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = fsdp::forward(first, x);
+    x = fsdp::forward(second, x);
+    x = fsdp::forward(third, x);
+    return fsdp::forward(fourth, x);
+  }
+  torch::nn::Linear first, second, third, fourth;
+};
+TORCH_MODULE(FourLinears);
+
+bool lists(const std::vector<std::string>& entries, const std::string& text) {
+  for (const auto& entry : entries) {
+    if (entry.find(text) != std::string::npos) return true;
+  }
+  return false;
+}
+
+class ResumeFromAccelerate : public ::testing::TestWithParam<int> {};
+
+TEST_P(ResumeFromAccelerate, ContinuesWithTheLossesPyTorchGetsFromIt) {
+  const auto root = testing::shared_temporary_directory();
+  if (!testing::is_rank_process()) {
+    testing::PythonOptions options;
+    options.world_size = 2;
+    ASSERT_TRUE(testing::run_python("accelerate_checkpoint.py", {root}, options).ok);
+  }
+  testing::run_on_ranks(GetParam(), [root](const DistributedContext& context) {
+    nlohmann::json expected;
+    std::ifstream(root + "/losses.json") >> expected;
+    torch::manual_seed(99);  // other weights than the saved ones: the load must replace every one
+    FourLinears model;
+    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(0.5));
+    AcceleratorOptions options;
+    options.fsdp_plugin = FullyShardedDataParallelPlugin(FullyShardedDataParallelPluginArgs{}, EnvironmentMap{});
+    options.project_dir = root;
+    Accelerator accelerator(context, options, EnvironmentMap{});
+    accelerator.prepare(model, optimizer);
+    const auto latest = accelerator.latest_checkpoint();
+    ASSERT_EQ(latest, (fs::path(root) / "checkpoints" / "checkpoint_0").string());
+    const auto progress = accelerator.load_state(latest);
+    EXPECT_EQ(progress.step, 2) << "the optimizer's step count";
+    EXPECT_TRUE(lists(progress.not_restored, "scheduler.bin (a PyTorch LR scheduler's state")) << progress.not_restored.size();
+    if (context.rank() < 2) {
+      EXPECT_TRUE(lists(progress.not_restored, "numpy_random_seed (NumPy's generator)"));
+      EXPECT_TRUE(lists(progress.not_restored, "random_state (Python's random module)"));
+    }
+    auto& group = static_cast<torch::optim::AdamWOptions&>(optimizer.param_groups().at(0).options());
+    EXPECT_EQ(group.lr(), 0.01);
+    EXPECT_EQ(std::get<0>(group.betas()), 0.8);
+    EXPECT_EQ(group.weight_decay(), 0.1);
+    const auto& resumed = expected.at("resumed");
+    for (size_t index = 0; index < resumed.size(); ++index) {
+      torch::manual_seed(100 + 2 + static_cast<int64_t>(index));
+      const auto batch = torch::randn({6, 3});
+      const int64_t local = 6 / context.world_size();
+      auto loss = fsdp::forward(model, batch.narrow(0, context.rank() * local, local)).pow(2).mean();
+      loss.backward();
+      optimizer.step();
+      optimizer.zero_grad();
+      const double mean = accelerator.reduce(loss.detach(), "mean").item<double>();
+      EXPECT_NEAR(mean, resumed[index].get<double>(), 1e-5) << "step " << 2 + index;
+    }
+  });
+}
+
+INSTANTIATE_TEST_SUITE_P(Ranks, ResumeFromAccelerate, ::testing::Values(2, 3),
+                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
+
+// A checkpoint directory Accelerate left incomplete, or wrote in a layout fsdp.cpp does not resume,
+// is named for what it is, never "did not finish on every rank" of an fsdp.cpp save.
+TEST(ResumeFromAccelerateRefuses, IncompleteAndFullCheckpointsAreNamed) {
+  const auto root = testing::shared_temporary_directory();
+  if (!testing::is_rank_process()) {
+    testing::PythonOptions options;
+    options.world_size = 2;
+    ASSERT_TRUE(testing::run_python("accelerate_checkpoint.py", {root}, options).ok);
+    const auto checkpoint = root + "/checkpoints/checkpoint_0";
+    fs::rename(checkpoint + "/optimizer_0/.metadata", checkpoint + "/optimizer_0/.metadata.away");
+    EXPECT_FALSE(is_complete_checkpoint(checkpoint));
+  }
+  testing::run_on_ranks(2, [root](const DistributedContext& context) {
+    FourLinears model;
+    fully_shard(model.ptr(), context);
+    torch::optim::AdamW optimizer(model->parameters());
+    const auto message = testing::error_message_of(
+        [&] { load_checkpoint(root + "/checkpoints/checkpoint_0", *model, optimizer, context); });
+    EXPECT_NE(message.find("was written by Accelerate (its random_states_0.pkl holds NumPy's generator), but not as a "
+                           "complete SHARDED_STATE_DICT checkpoint"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find("did not finish on every rank"), std::string::npos) << message;
+  });
+}
+
+// The random states file itself: the step, the generator (equal to what torch saved), and the names
+// of what is not restored; a damaged file is a named error.
+TEST(AccelerateRandomStates, ReadsStepAndGeneratorAndNamesTheRest) {
+  const auto root = testing::shared_temporary_directory();
+  testing::PythonOptions options;
+  options.world_size = 2;
+  ASSERT_TRUE(testing::run_python("accelerate_checkpoint.py", {root}, options).ok);
+  const auto path = root + "/checkpoints/checkpoint_0/random_states_1.pkl";
+  const auto states = detail::read_accelerate_random_states(path);
+  EXPECT_EQ(states.step, 2);
+  ASSERT_TRUE(states.torch_cpu_state.defined());
+  const auto python = testing::run_python_code("import torch\nprint(torch.load('" + path +
+                                               "', weights_only=False)['torch_manual_seed'].sum().item())");
+  ASSERT_TRUE(python.ok);
+  EXPECT_EQ(std::to_string(states.torch_cpu_state.sum().item<int64_t>()), python.output.at(0).substr(0, python.output.at(0).find('\n')));
+  EXPECT_TRUE(lists(states.not_restored, "numpy_random_seed"));
+  const auto damaged = root + "/damaged.pkl";
+  fs::copy_file(path, damaged);
+  fs::resize_file(damaged, fs::file_size(damaged) / 2);
+  const auto message = testing::error_message_of([&] { detail::read_accelerate_random_states(damaged); });
+  EXPECT_NE(message.find("damaged.pkl' is not a torch.save archive"), std::string::npos) << message;
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -1,0 +1,85 @@
+"""A checkpoint the way Accelerate's save_state writes it under FSDP2 with SHARDED_STATE_DICT, and
+the losses PyTorch gets continuing from it, for tests/checkpoint/dcp_writer_test.cpp's resume test.
+Run on N processes with torchrun's variables.
+
+    accelerate_checkpoint.py DIR
+
+Every rank seeds 0, builds MODEL (dcp_fixture.py's four Linears) with fully_shard, AdamW(lr 0.01,
+betas (0.8, 0.9), weight decay 0.1) and a constant LambdaLR, and takes STEPS_BEFORE steps: step s
+draws torch.manual_seed(100 + s); randn(6, 3), each rank takes its rows, the loss is the mean of
+the output squared. Then Accelerate's own functions save what Accelerator.save_state saves, into
+DIR/checkpoints/checkpoint_0 (its automatic naming): save_fsdp_model and save_fsdp_optimizer (DCP
+pytorch_model_fsdp_0/ and optimizer_0/), then save_accelerator_state (scheduler.bin and
+random_states_<rank>.pkl with Python's, NumPy's and torch's generators). Training continues for
+STEPS_AFTER steps; rank 0 writes DIR/losses.json: {"resumed": [the mean loss over ranks of each]}.
+Accelerate's Accelerator itself does not run FSDP on CPU, so its functions are called directly with
+the plugin it would hold.
+"""
+import json
+import sys
+import types
+
+import torch
+import torch.distributed as dist
+from accelerate import PartialState
+from accelerate.checkpointing import save_accelerator_state
+from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
+from torch.distributed.fsdp import fully_shard
+
+STEPS_BEFORE = 2
+STEPS_AFTER = 3
+
+
+def build():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 7), torch.nn.Linear(7, 3),
+                                torch.nn.Linear(3, 2, bias=False))
+    for layer in model:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def step(model, optimizer, scheduler, index):
+    torch.manual_seed(100 + index)
+    batch = torch.randn(6, 3)
+    local = 6 // dist.get_world_size()
+    loss = model(batch[dist.get_rank() * local:(dist.get_rank() + 1) * local]).pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    return total.item() / dist.get_world_size()
+
+
+def main(directory):
+    torch.set_num_threads(1)
+    PartialState(cpu=True)  # Accelerate's process group (gloo) and the state its logging needs
+    model = build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01, betas=(0.8, 0.9), weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    for index in range(STEPS_BEFORE):
+        step(model, optimizer, scheduler, index)
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    accelerator = types.SimpleNamespace(process_index=dist.get_rank(), num_processes=dist.get_world_size(),
+                                        is_main_process=dist.get_rank() == 0)
+    output = f"{directory}/checkpoints/checkpoint_0"
+    save_fsdp_model(plugin, accelerator, model, output)
+    save_fsdp_optimizer(plugin, accelerator, optimizer, model, output)
+    dist.barrier()
+    save_accelerator_state(output, [], [], [scheduler] if dist.get_rank() == 0 else [], [], dist.get_rank(),
+                           step=STEPS_BEFORE)
+    dist.barrier()
+    losses = [step(model, optimizer, scheduler, STEPS_BEFORE + index) for index in range(STEPS_AFTER)]
+    if dist.get_rank() == 0:
+        json.dump({"resumed": losses}, open(f"{directory}/losses.json", "w"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit(__doc__)
+    main(sys.argv[1])
