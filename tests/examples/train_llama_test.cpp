@@ -4,6 +4,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "harness/python_peer.h"
 #include "harness/run_command.h"
 
 #include <cstdio>
@@ -117,6 +118,38 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
       const double expected = reference[step]["loss"].get<double>();
       EXPECT_NEAR(losses[step]["loss"].get<double>(), expected, 1e-5 * expected) << ranks << " ranks, step " << step + 1;
     }
+  }
+}
+
+// A run PyTorch trained and Accelerate saved resumes in train_llama: tests/python/llama_resume.py
+// trains transformers' Llama with FSDP2 on 2 ranks exactly as train_llama would (the same batches,
+// schedule, clipping and AdamW), saves with Accelerate's own functions into
+// checkpoints/checkpoint_0 after step 3 and goes on to step 6; `train_llama --resume-from latest`
+// finds that checkpoint, continues from step 3 and reports PyTorch's losses for steps 4 to 6.
+TEST_F(TrainLlama, ResumesFromAnAccelerateCheckpointWithPyTorchsLosses) {
+  fsdp::testing::PythonOptions options;
+  options.world_size = 2;
+  options.timeout = std::chrono::seconds(240);
+  ASSERT_TRUE(fsdp::testing::run_python("llama_resume.py", {root_.string(), "3", "3"}, options).ok);
+  nlohmann::json expected;
+  std::ifstream(root_ / "losses.json") >> expected;
+  const auto run = (root_ / "run").string();
+  const auto result = run_command(
+      std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- " + FSDP_TRAIN_LLAMA_PATH +
+      " --output-dir " + run + " --resume-from latest --init-from " + (root_ / "init").string() + " --data " +
+      (root_ / "train.txt").string() + " --eval-data " + (root_ / "eval.txt").string() +
+      " --steps 6 --seq-len 32 --global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --min-lr 3e-4 --warmup-steps 2 "
+      "--weight-decay 0.1 --max-grad-norm 1.0 --seed 1234 --eval-every 0 --eval-tokens 256 --sample-bytes 8");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("was written by Accelerate; resumed at optimizer step 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("resumed from " + run + "/checkpoints/checkpoint_0 at step 3"), std::string::npos)
+      << result.output;
+  const auto metrics = metrics_of(run);
+  ASSERT_EQ(metrics.size(), 3u) << result.output;
+  for (const auto& line : metrics) {
+    const auto step = std::to_string(line["step"].get<int64_t>());
+    ASSERT_TRUE(expected["resumed"].contains(step)) << line.dump();
+    EXPECT_NEAR(line["loss"].get<double>(), expected["resumed"][step].get<double>(), 1e-5) << "step " << step;
   }
 }
 
