@@ -2,8 +2,9 @@
 // (spec §4.7), so that a resumed run continues exactly where the saved one stopped.
 //
 //   FULL     pytorch_model_fsdp.bin (or .safetensors) and optimizer.bin, written by rank 0
-//   SHARDED  pytorch_model_fsdp_0/ and optimizer_0/: one safetensors file per rank and metadata.json
-//            (docs/checkpoint-format.md); loads on any number of ranks
+//   SHARDED  pytorch_model_fsdp_0/ and optimizer_0/: PyTorch distributed checkpoints (DCP), one
+//            __<r>_0.distcp per rank and .metadata (docs/checkpoint-format.md); load on any number
+//            of ranks, in fsdp.cpp or in PyTorch
 //   LOCAL    pytorch_model_fsdp_rank<r>.bin per rank (same world size to load) and optimizer_0/
 //   always   random_states_<r>.pkl per rank (step and CPU generator state), scheduler.bin,
 //            dl_state_dict.bin (data position), and checkpoint_complete.json, written by rank 0 once

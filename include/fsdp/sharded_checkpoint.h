@@ -1,6 +1,7 @@
-// The sharded checkpoint directory: one safetensors file per rank and a metadata file that says
-// which file holds which rows of every tensor, so that any number of ranks (or one merge tool) can
-// read it back. The format is specified in docs/checkpoint-format.md.
+// The rank-file sharded directory of fsdp.cpp before DCP: one safetensors file per rank and a
+// metadata file that says which file holds which rows of every tensor. save_checkpoint writes DCP
+// now; these directories still load and merge, and write_sharded_directory still makes them. The
+// format is specified in docs/checkpoint-format.md.
 #pragma once
 
 #include <map>

@@ -153,15 +153,8 @@ void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optim
 // Accelerate's save_state (FSDP2, SHARDED_STATE_DICT) writes no marker of ours. Its checkpoint is
 // complete when both DCP directories have their .metadata (PyTorch writes it last, once every rank
 // has written its file) and rank 0's random states exist (Accelerate writes them after the model
-// and the optimizer).
-bool is_accelerate_checkpoint(const std::string& directory) {
-  std::error_code error;
-  return !fs::exists(path_in(directory, kMarker), error) && detail::is_dcp_directory(path_in(directory, kShardedModel)) &&
-         detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) &&
-         fs::is_regular_file(path_in(directory, random_states_file(0)), error);
-}
-
-// Accelerate's random states hold NumPy's generator; fsdp.cpp's never do.
+// and the optimizer, holding NumPy's generator, which fsdp.cpp's never hold: so an fsdp.cpp save
+// that stopped before its marker is never taken for one of Accelerate's).
 bool random_states_from_accelerate(const std::string& directory) {
   try {
     const auto states = detail::read_accelerate_random_states(path_in(directory, random_states_file(0)));
@@ -171,6 +164,12 @@ bool random_states_from_accelerate(const std::string& directory) {
   } catch (const std::exception&) {
   }
   return false;
+}
+
+bool is_accelerate_checkpoint(const std::string& directory) {
+  std::error_code error;
+  return !fs::exists(path_in(directory, kMarker), error) && detail::is_dcp_directory(path_in(directory, kShardedModel)) &&
+         detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) && random_states_from_accelerate(directory);
 }
 
 int64_t count_random_states(const std::string& directory) {

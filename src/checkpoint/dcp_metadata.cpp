@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <algorithm>
 #include <set>
 
 #include "io/restricted_unpickler.h"
@@ -16,6 +17,9 @@ using Kind = PickleValue::Kind;
 namespace fs = std::filesystem;
 
 constexpr int64_t kMaxMetadataBytes = int64_t{1} << 30;
+// torch's limit on a tensor's dimensions, and a nesting no state dict comes near.
+constexpr size_t kMaxDims = 64;
+constexpr size_t kMaxPathElements = 256;
 
 // What DCP's .metadata references, across the torch versions that write it (older ones import
 // TensorProperties and the memory-format enum from the sharded-tensor package).
@@ -64,7 +68,10 @@ c10::ScalarType dtype_of(const std::string& name, const std::string& where) {
 
 class Interpreter {
  public:
-  explicit Interpreter(std::string source) : source_(std::move(source)) {}
+  // `budget`: how many values the walk may visit. Memo references let a few bytes name one long list
+  // from many places (a memo bomb); a file of n bytes describes fewer than n distinct chunks, paths
+  // and storage entries, so visiting more means the file repeats itself and is refused.
+  Interpreter(std::string source, size_t budget) : source_(std::move(source)), budget_(budget) {}
 
   DcpMetadata run(const PickleValue& root) {
     const auto& fields = state_of(root, "torch.distributed.checkpoint.metadata.Metadata", "the metadata");
@@ -88,6 +95,9 @@ class Interpreter {
         const auto& path = *planner->items[index + 1];
         TORCH_CHECK(path.kind == Kind::kTuple || path.kind == Kind::kList, fail("planner_data of '" + key + "'"),
                     "is a ", path.describe(), ", not a tuple of path elements");
+        TORCH_CHECK(path.items.size() <= kMaxPathElements, fail("planner_data of '" + key + "'"), "has ",
+                    path.items.size(), " elements; no state dict is nested that deep");
+        spend(path.items.size());
         std::vector<std::string> elements;
         for (const auto* element : path.items) {
           if (element->kind == Kind::kInt) elements.push_back(std::to_string(element->integer));
@@ -165,6 +175,9 @@ class Interpreter {
     }
     TORCH_CHECK(tuple->kind == Kind::kTuple || tuple->kind == Kind::kList, fail(where), "is a ", tuple->describe(),
                 ", not a size");
+    TORCH_CHECK(tuple->items.size() <= kMaxDims, fail(where), "has ", tuple->items.size(), " dimensions; torch allows ",
+                kMaxDims);
+    spend(tuple->items.size() + 1);
     std::vector<int64_t> sizes;
     for (const auto* element : tuple->items) {
       const auto size = integer_of(*element, where + " element");
@@ -215,7 +228,56 @@ class Interpreter {
     for (const auto size : tensor.size) TORCH_CHECK(!c10::mul_overflows(numel, size, &numel), fail(where), "is too large");
     TORCH_CHECK(covered == numel, fail(where), "has chunks covering ", covered, " of its ", numel,
                 " elements: the checkpoint does not hold the whole tensor");
+    check_tiling(tensor, where);
     return tensor;
+  }
+
+  void spend(size_t values) const {
+    TORCH_CHECK(values <= budget_, "'", source_, "' describes more values than its bytes can hold: it refers to the "
+                "same lists again and again (a memo bomb) and is refused");
+    budget_ -= values;
+  }
+
+  // Chunks that cover as many elements as the tensor has could still overlap and leave a gap, whose
+  // rows would then be read from nowhere: every pair must be disjoint. FSDP's chunks are runs of rows
+  // spanning the other dimensions, checked in order after sorting; others pairwise.
+  void check_tiling(const DcpTensor& tensor, const std::string& where) const {
+    const auto& chunks = tensor.chunks;
+    if (chunks.size() < 2 || tensor.size.empty()) return;
+    auto text_of_chunk = [](const DcpChunk& chunk) { return text_of(chunk.offsets) + " of sizes " + text_of(chunk.sizes); };
+    bool rows_only = true;
+    for (const auto& chunk : chunks) {
+      for (size_t dim = 1; dim < tensor.size.size(); ++dim) {
+        rows_only = rows_only && chunk.offsets[dim] == 0 && chunk.sizes[dim] == tensor.size[dim];
+      }
+    }
+    if (rows_only) {
+      std::vector<const DcpChunk*> order;
+      for (const auto& chunk : chunks) {
+        if (chunk.sizes[0] > 0) order.push_back(&chunk);
+      }
+      std::sort(order.begin(), order.end(), [](const DcpChunk* a, const DcpChunk* b) { return a->offsets[0] < b->offsets[0]; });
+      for (size_t index = 1; index < order.size(); ++index) {
+        TORCH_CHECK(order[index - 1]->offsets[0] + order[index - 1]->sizes[0] <= order[index]->offsets[0], fail(where),
+                    "has overlapping chunks at offsets ", text_of_chunk(*order[index - 1]), " and ",
+                    text_of_chunk(*order[index]), ": they do not tile the tensor");
+      }
+      return;
+    }
+    spend(chunks.size() * chunks.size() / 2);
+    for (size_t first = 0; first < chunks.size(); ++first) {
+      for (size_t second = first + 1; second < chunks.size(); ++second) {
+        bool overlap = true;
+        for (size_t dim = 0; dim < tensor.size.size(); ++dim) {
+          const auto& a = chunks[first];
+          const auto& b = chunks[second];
+          overlap = overlap && a.sizes[dim] > 0 && b.sizes[dim] > 0 && a.offsets[dim] < b.offsets[dim] + b.sizes[dim] &&
+                    b.offsets[dim] < a.offsets[dim] + a.sizes[dim];
+        }
+        TORCH_CHECK(!overlap, fail(where), "has overlapping chunks at offsets ", text_of_chunk(chunks[first]), " and ",
+                    text_of_chunk(chunks[second]), ": they do not tile the tensor");
+      }
+    }
   }
 
   void place(DcpMetadata& metadata, const PickleValue& index_value, const PickleValue& info_value) const {
@@ -260,13 +322,14 @@ class Interpreter {
   }
 
   std::string source_;
+  mutable size_t budget_;
 };
 
 }  // namespace
 
 DcpMetadata parse_dcp_metadata(const uint8_t* data, size_t size, const std::string& source) {
   const auto document = restricted_unpickle(data, size, allowed_globals(), source);
-  return Interpreter(source).run(*document.root);
+  return Interpreter(source, size + 1024).run(*document.root);
 }
 
 bool is_dcp_directory(const std::string& directory) {

@@ -61,6 +61,16 @@ void PickleWriter::reduce() { bytes_ += 'R'; }
 void PickleWriter::new_object() { bytes_ += '\x81'; }
 void PickleWriter::build() { bytes_ += 'b'; }
 
+void PickleWriter::put(uint32_t index) {
+  bytes_ += 'r';
+  for (int shift = 0; shift < 32; shift += 8) bytes_ += static_cast<char>((index >> shift) & 0xff);
+}
+
+void PickleWriter::get(uint32_t index) {
+  bytes_ += 'j';
+  for (int shift = 0; shift < 32; shift += 8) bytes_ += static_cast<char>((index >> shift) & 0xff);
+}
+
 std::string PickleWriter::finish() {
   bytes_ += '.';
   return std::move(bytes_);

@@ -37,6 +37,10 @@ class PickleWriter {
   void new_object();
   /// object, state -> object with the state applied (a dataclass's field dict).
   void build();
+  /// Stores the value on top of the stack in memo slot `index` (LONG_BINPUT).
+  void put(uint32_t index);
+  /// Pushes memo slot `index` (LONG_BINGET): the same object again.
+  void get(uint32_t index);
   /// Ends the pickle (STOP) and returns its bytes.
   std::string finish();
 

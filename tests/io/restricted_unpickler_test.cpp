@@ -103,8 +103,11 @@ TEST(RestrictedUnpickler, MalformedPicklesAreNamedErrors) {
   EXPECT_NE(error_of(from_hex("80024a0100")).find("the pickle is truncated at byte 3 (4 more bytes needed, 2 left)"),
             std::string::npos)
       << error_of(from_hex("80024a0100"));
-  // An opcode the reader does not know (BINPERSID, 'Q').
-  EXPECT_NE(error_of(from_hex("80024e512e")).find("opcode 0x51 is not one the restricted reader knows"), std::string::npos);
+  // A persistent reference (BINPERSID, 'Q') where the caller allows none; an opcode the reader does
+  // not know (PERSID, 'P', the text form).
+  EXPECT_NE(error_of(from_hex("80024e512e")).find("a persistent reference (BINPERSID), which this file type does not hold"),
+            std::string::npos);
+  EXPECT_NE(error_of(from_hex("8002503f0a2e")).find("opcode 0x50 is not one the restricted reader knows"), std::string::npos);
   // A memo entry read before it is written.
   EXPECT_NE(error_of(from_hex("8002680f2e")).find("memo entry 15 is read before it is written"), std::string::npos);
   // APPEND onto a dict, SETITEM onto a list, BUILD on an int, REDUCE of a string.
