@@ -1,8 +1,9 @@
 // Benchmark: `fsdp merge-weights` on a sharded checkpoint of --bytes (default 1 GB) saved by 4 ranks,
-// against `cp -r` of the same rank files in the same run. Reports wall-time ratio and the merge's peak
-// resident memory (from wait4), which must not grow with the checkpoint's size.
+// against `cp -r` of the same files in the same run. Reports wall-time ratio and the merge's peak
+// resident memory (from wait4), which must not grow with the checkpoint's size. The checkpoint is a
+// DCP directory, what save_checkpoint writes (--format rank-files: the format of earlier versions).
 //
-//   build/bin/merge_bench [--bytes 1GB] [--directory /tmp/fsdp_merge_bench]
+//   build/bin/merge_bench [--bytes 1GB] [--format dcp|rank-files] [--directory /tmp/fsdp_merge_bench]
 #include <fsdp/fsdp.h>
 
 #include <torch/torch.h>
@@ -50,7 +51,7 @@ Measured run(const std::vector<std::string>& argv) {
 
 /// Under `fsdp launch`: each rank writes its rows of a model of `bytes` bytes (fp32 matrices of 4096
 /// columns, as a transformer's weights).
-void generate(const std::string& directory, int64_t bytes) {
+void generate(const std::string& directory, int64_t bytes, const std::string& format) {
   auto context = fsdp::DistributedContext::initialize_from_environment();
   const int64_t columns = 4096;
   const int64_t tensor_rows = 8192;  // 128 MiB per tensor
@@ -65,7 +66,11 @@ void generate(const std::string& directory, int64_t bytes) {
     tensor.row_offset = layout.row_offset;
     local.emplace_back("layers." + std::to_string(index) + ".weight", tensor);
   }
-  fsdp::write_sharded_directory(directory, local, context);
+  if (format == "dcp") {
+    fsdp::write_dcp_model_directory(directory, local, context);
+  } else {
+    fsdp::write_sharded_directory(directory, local, context);
+  }
 }
 
 }  // namespace
@@ -74,13 +79,16 @@ int main(int argc, char** argv) {
   std::string directory = "/tmp/fsdp_merge_bench";
   std::string size = "1GB";
   bool generating = false;
+  std::string format = "dcp";
   for (int index = 1; index < argc; ++index) {
     const std::string word = argv[index];
     if (word == "--bytes" && index + 1 < argc) size = argv[++index];
     else if (word == "--directory" && index + 1 < argc) directory = argv[++index];
     else if (word == "--generate") generating = true;
+    else if (word == "--format" && index + 1 < argc && (std::string(argv[index + 1]) == "dcp" ||
+                                                         std::string(argv[index + 1]) == "rank-files")) format = argv[++index];
     else {
-      std::cerr << "usage: merge_bench [--bytes SIZE] [--directory DIR]\n";
+      std::cerr << "usage: merge_bench [--bytes SIZE] [--format dcp|rank-files] [--directory DIR]\n";
       return 2;
     }
   }
@@ -88,19 +96,19 @@ int main(int argc, char** argv) {
     const int64_t bytes = fsdp::parse_byte_size(size);
     const auto sharded = directory + "/pytorch_model_fsdp_0";
     if (generating) {
-      generate(sharded, bytes);
+      generate(sharded, bytes, format);
       return 0;
     }
     const auto self = fs::canonical("/proc/self/exe");
     const auto cli = (self.parent_path() / "fsdp").string();
     fs::remove_all(directory);
     fs::create_directories(directory);
-    run({cli, "launch", "--nproc-per-node", "4", "--", self.string(), "--generate", "--bytes", size, "--directory",
-         directory});
+    run({cli, "launch", "--nproc-per-node", "4", "--", self.string(), "--generate", "--bytes", size, "--format", format,
+         "--directory", directory});
     int64_t total = 0;
     for (const auto& item : fs::directory_iterator(sharded)) total += static_cast<int64_t>(item.file_size());
     // Warm the page cache for both contenders the same way.
-    run({"sh", "-c", "cat " + sharded + "/*.safetensors > /dev/null"});
+    run({"sh", "-c", "cat " + sharded + "/* " + sharded + "/.metadata > /dev/null 2>&1; true"});
     // The merge fsyncs what it writes (a checkpoint tool must not lose data on a crash), so the fair
     // peer is cp followed by an fsync of the copies; plain cp is reported too.
     // Three alternating rounds, medians: the virtual disk's write-back makes single runs noisy, and
@@ -125,10 +133,10 @@ int main(int argc, char** argv) {
     const auto copy = median(copies);
     const auto copy_synced = median(synced_copies);
     const auto merge = median(merges);
-    std::printf("{\"benchmark\": \"merge\", \"bytes\": %lld, \"cp_seconds\": %.3f, \"cp_fsync_seconds\": %.3f, "
+    std::printf("{\"benchmark\": \"merge\", \"format\": \"%s\", \"bytes\": %lld, \"cp_seconds\": %.3f, \"cp_fsync_seconds\": %.3f, "
                 "\"merge_seconds\": %.3f, \"ratio_to_cp_fsync\": %.3f, \"ratio_to_cp\": %.3f, "
                 "\"merge_peak_rss_mb\": %.1f, \"cp_peak_rss_mb\": %.1f}\n",
-                static_cast<long long>(total), copy.seconds, copy_synced.seconds, merge.seconds,
+                format.c_str(), static_cast<long long>(total), copy.seconds, copy_synced.seconds, merge.seconds,
                 merge.seconds / copy_synced.seconds, merge.seconds / copy.seconds, merge.peak_rss_kb / 1024.0,
                 copy.peak_rss_kb / 1024.0);
     fs::remove_all(directory);

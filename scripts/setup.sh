@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what fsdp.cpp needs, if anything is missing, then configures and builds into build/:
-#   1. Debian packages: the compiler, CMake, Ninja, the header libraries, and Gloo's headers.
+#   1. Debian packages: the compiler, CMake, Ninja, the header libraries, Gloo's headers, and clang
+#      with libFuzzer for the fuzz targets.
 #   2. The project venv (.venv/, git-ignored) with requirements.txt: torch 2.13.0, whose libtorch
 #      the build links, and the peers (accelerate, transformers, safetensors, numpy) that tests and
 #      benchmarks compare against. The binaries never need Python: they find libtorch by RPATH.
@@ -37,6 +38,12 @@ packages=(
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libgtest-dev
   libgloo-dev  # headers only, for the declarations c10d's ProcessGroupGloo.hpp includes; never linked
 )
+# The fuzz targets only (scripts/fuzz.sh): clang and libFuzzer's runtime, Debian's default LLVM
+# (14 in Debian 12; 19 in Debian 13, which these scripts have not met yet).
+case "$debian_major" in
+  12) packages+=(clang-14 libclang-rt-14-dev) ;;
+  13) packages+=(clang-19 libclang-rt-19-dev) ;;
+esac
 
 # The Python that creates the venv. The torch 2.13.0 wheel of these machines is for Python 3.11.
 python="${FSDP_PYTHON:-}"

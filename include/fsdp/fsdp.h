@@ -20,6 +20,7 @@
 #include <fsdp/safetensors.h>
 #include <fsdp/shard_layout.h>
 #include <fsdp/sharding_options.h>
+#include <fsdp/dcp.h>
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/state_dict_options.h>

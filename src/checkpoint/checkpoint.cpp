@@ -7,7 +7,6 @@
 #include <filesystem>
 #include <functional>
 #include <optional>
-#include <random>
 #include <cmath>
 #include <fstream>
 #include <sstream>
@@ -106,19 +105,6 @@ TrainingProgress load_progress(const std::string& directory, const DistributedCo
     generator.set_state(states.toGenericDict().at("torch_manual_seed").toTensor());
   }
   return progress;
-}
-
-// A save's identity: recorded in the DCP metadata (StorageMeta.save_id, as PyTorch does) and the marker.
-std::string new_save_id() {
-  std::random_device device;
-  std::mt19937_64 generator((static_cast<uint64_t>(device()) << 32) ^ device());
-  char text[40];
-  const uint64_t high = generator();
-  const uint64_t low = generator();
-  std::snprintf(text, sizeof(text), "%08llx-%04llx-%04llx-%04llx-%012llx", static_cast<unsigned long long>(high >> 32),
-                static_cast<unsigned long long>((high >> 16) & 0xffff), static_cast<unsigned long long>(high & 0xffff),
-                static_cast<unsigned long long>(low >> 48), static_cast<unsigned long long>(low & 0xffffffffffffULL));
-  return text;
 }
 
 void write_sharded_optimizer(const std::string& directory, const OptimizerStateDict& state,
@@ -254,7 +240,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   on_every_rank(context, [&] { fs::create_directories(directory); });
   std::string model_file;
   // Only rank 0 writes metadata and the marker, so only its identity is recorded.
-  const std::string save_id = main ? new_save_id() : std::string();
+  const std::string save_id = main ? detail::new_dcp_save_id() : std::string();
 
   switch (options.state_dict_type) {
     case StateDictType::kFullStateDict: {

@@ -1,10 +1,14 @@
 #include "checkpoint/dcp_writer.h"
 
+#include <fsdp/dcp.h>
+
 #include <ATen/ATen.h>
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
+#include <cstdio>
 #include <map>
+#include <random>
 
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
@@ -140,6 +144,18 @@ class MetadataPickle {
 };
 
 }  // namespace
+
+std::string new_dcp_save_id() {
+  std::random_device device;
+  std::mt19937_64 generator((static_cast<uint64_t>(device()) << 32) ^ device());
+  char text[40];
+  const uint64_t high = generator();
+  const uint64_t low = generator();
+  std::snprintf(text, sizeof(text), "%08llx-%04llx-%04llx-%04llx-%012llx", static_cast<unsigned long long>(high >> 32),
+                static_cast<unsigned long long>((high >> 16) & 0xffff), static_cast<unsigned long long>(high & 0xffff),
+                static_cast<unsigned long long>(low >> 48), static_cast<unsigned long long>(low & 0xffffffffffffULL));
+  return text;
+}
 
 std::string dcp_flat_key(const DcpPath& path) {
   std::string key;
@@ -372,3 +388,13 @@ void optimizer_dcp_entries(const OptimizerStateDict& state, std::vector<DcpTenso
 }
 
 }  // namespace fsdp::detail
+
+namespace fsdp {
+
+void write_dcp_model_directory(const std::string& directory, const ShardedTensorList& tensors,
+                               const DistributedContext& context) {
+  const auto save_id = context.rank() == 0 ? detail::new_dcp_save_id() : std::string();
+  detail::write_dcp_directory(directory, detail::model_dcp_entries(tensors), {}, context, save_id);
+}
+
+}  // namespace fsdp

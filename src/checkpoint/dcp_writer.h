@@ -26,6 +26,9 @@ struct DcpPathElement {
 };
 using DcpPath = std::vector<DcpPathElement>;
 
+/// A new save's identity (a random UUID-like text), for StorageMeta.save_id and the marker.
+std::string new_dcp_save_id();
+
 /// DCP's flattened key: the path's elements joined with ".".
 std::string dcp_flat_key(const DcpPath& path);
 

@@ -117,7 +117,9 @@ class Machine {
         case 0x86:
         case 0x87: {
           const size_t count = opcode - 0x84;
-          TORCH_CHECK(stack_.size() >= count, where(at), "TUPLE", count, " needs ", count, " values on the stack");
+          // Values below the innermost MARK belong to an enclosing tuple, list or dict.
+          TORCH_CHECK(stack_.size() >= count + (marks_.empty() ? 0 : marks_.back()), where(at), "TUPLE", count, " needs ",
+                      count, " values on the stack above its innermost MARK");
           auto* tuple = make(Kind::kTuple);
           tuple->items.assign(stack_.end() - static_cast<std::ptrdiff_t>(count), stack_.end());
           stack_.resize(stack_.size() - count);
@@ -312,6 +314,7 @@ class Machine {
     TORCH_CHECK(!marks_.empty(), where(at), "no MARK to pop to");
     const size_t mark = marks_.back();
     marks_.pop_back();
+    TORCH_INTERNAL_ASSERT(mark <= stack_.size(), "restricted unpickler: a value below a MARK was consumed");
     std::vector<const PickleValue*> items(stack_.begin() + static_cast<std::ptrdiff_t>(mark), stack_.end());
     stack_.resize(mark);
     return items;

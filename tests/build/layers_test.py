@@ -26,7 +26,7 @@ PUBLIC_HEADERS = {
     "distributed_environment.h": "dist", "process_group.h": "dist", "collectives.h": "dist",
     "sharding_options.h": "engine", "fully_shard.h": "engine", "meta_device.h": "engine", "activation_checkpointing.h": "engine",
     "auto_wrap.h": "engine", "clip_grad_norm.h": "engine", "pretrained_model.h": "engine",
-    "state_dict_options.h": "checkpoint", "state_dict.h": "checkpoint", "sharded_checkpoint.h": "checkpoint",
+    "state_dict_options.h": "checkpoint", "state_dict.h": "checkpoint", "sharded_checkpoint.h": "checkpoint", "dcp.h": "checkpoint",
     "checkpoint.h": "checkpoint", "pretrained_weights.h": "checkpoint",
     "merge.h": "merge",
     "plugin.h": "config", "accelerate_config.h": "config",

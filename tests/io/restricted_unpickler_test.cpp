@@ -108,6 +108,12 @@ TEST(RestrictedUnpickler, MalformedPicklesAreNamedErrors) {
   EXPECT_NE(error_of(from_hex("80024e512e")).find("a persistent reference (BINPERSID), which this file type does not hold"),
             std::string::npos);
   EXPECT_NE(error_of(from_hex("8002503f0a2e")).find("opcode 0x50 is not one the restricted reader knows"), std::string::npos);
+  // TUPLE1 taking a value from below a MARK, which then pointed past the stack (found by
+  // fuzz/restricted_unpickler_fuzz.cpp; fuzz/regressions/ holds the inputs).
+  EXPECT_NE(error_of(from_hex("80024e28852e")).find("TUPLE1 needs 1 values on the stack above its innermost MARK"),
+            std::string::npos)
+      << error_of(from_hex("80024e28852e"));
+  EXPECT_NE(error_of(from_hex("80024e2885742e")).find("TUPLE1 needs 1 values"), std::string::npos);
   // A memo entry read before it is written.
   EXPECT_NE(error_of(from_hex("8002680f2e")).find("memo entry 15 is read before it is written"), std::string::npos);
   // APPEND onto a dict, SETITEM onto a list, BUILD on an int, REDUCE of a string.
