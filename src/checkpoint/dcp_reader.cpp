@@ -1,8 +1,15 @@
 #include "checkpoint/dcp_reader.h"
 
 #include <ATen/ATen.h>
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <optional>
+#include <set>
 #include <filesystem>
 #include <fstream>
 
@@ -12,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/optimizer_state.h"
+#include "io/restricted_unpickler.h"
 
 namespace fsdp::detail {
 namespace {
@@ -24,7 +32,131 @@ std::string join(const std::vector<std::string>& parts, size_t first) {
   return text;
 }
 
+// One item of a .distcp file as a zip archive, read with pread: the archive's reader never sees
+// bytes outside [offset, offset + length).
+class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  ItemAdapter(int descriptor, int64_t offset, int64_t length) : descriptor_(descriptor), offset_(offset), length_(length) {}
+  size_t size() const override { return static_cast<size_t>(length_); }
+  size_t read(uint64_t position, void* buffer, size_t count, const char* /*what*/) const override {
+    if (position >= static_cast<uint64_t>(length_)) return 0;
+    count = std::min<uint64_t>(count, static_cast<uint64_t>(length_) - position);
+    size_t done = 0;
+    while (done < count) {
+      const auto got = ::pread(descriptor_, static_cast<char*>(buffer) + done, count - done,
+                               static_cast<off_t>(offset_ + static_cast<int64_t>(position + done)));
+      if (got <= 0) break;
+      done += static_cast<size_t>(got);
+    }
+    return done;
+  }
+
+ private:
+  int descriptor_;
+  int64_t offset_;
+  int64_t length_;
+};
+
+// The legacy storage class torch.save names for each dtype (what _rebuild_tensor_v2 refers to).
+const char* storage_class(c10::ScalarType dtype) {
+  switch (dtype) {
+    case c10::kDouble: return "torch.DoubleStorage";
+    case c10::kFloat: return "torch.FloatStorage";
+    case c10::kHalf: return "torch.HalfStorage";
+    case c10::kBFloat16: return "torch.BFloat16Storage";
+    case c10::kLong: return "torch.LongStorage";
+    case c10::kInt: return "torch.IntStorage";
+    case c10::kShort: return "torch.ShortStorage";
+    case c10::kChar: return "torch.CharStorage";
+    case c10::kByte: return "torch.ByteStorage";
+    case c10::kBool: return "torch.BoolStorage";
+    case c10::kComplexFloat: return "torch.ComplexFloatStorage";
+    case c10::kComplexDouble: return "torch.ComplexDoubleStorage";
+    default: return "";
+  }
+}
+
 }  // namespace
+
+DcpDirectoryReader::~DcpDirectoryReader() {
+  for (const auto& [path, descriptor] : descriptors_) ::close(descriptor);
+}
+
+int DcpDirectoryReader::descriptor(const std::string& relative_path) const {
+  auto found = descriptors_.find(relative_path);
+  if (found != descriptors_.end()) return found->second;
+  const auto path = (fs::path(directory_) / relative_path).string();
+  const int opened = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  TORCH_CHECK(opened >= 0, "cannot open '", path, "': ", std::strerror(errno));
+  descriptors_.emplace(relative_path, opened);
+  return opened;
+}
+
+std::optional<int64_t> DcpDirectoryReader::raw_data_offset(const std::string& key, const DcpTensor& tensor,
+                                                          size_t chunk_index) const {
+  // Where the chunk's elements lie in its file, when its archive holds exactly what torch.save of a
+  // contiguous tensor writes: then rows are read from there straight into the caller's memory.
+  // Anything else returns nullopt and goes through the unpickler, which checks it in full.
+  const auto cache_key = std::make_pair(key, chunk_index);
+  if (auto found = raw_offsets_.find(cache_key); found != raw_offsets_.end()) return found->second;
+  std::optional<int64_t> result;
+  const auto& chunk = tensor.chunks[chunk_index];
+  const auto& storage = chunk.storage;
+  const char* expected_class = storage_class(tensor.dtype);
+  try {
+    if (*expected_class == 0 || storage.length < 0) throw std::runtime_error("no fast path");
+    const int file = descriptor(storage.relative_path);
+    caffe2::serialize::PyTorchStreamReader archive(std::make_shared<ItemAdapter>(file, storage.offset, storage.length));
+    auto [pickle, pickle_size] = archive.getRecord("data.pkl");
+    static const std::set<std::string> allowed = [] {
+      std::set<std::string> names = {kPersistentLoad, "torch._utils._rebuild_tensor_v2", "collections.OrderedDict"};
+      for (auto dtype : {c10::kDouble, c10::kFloat, c10::kHalf, c10::kBFloat16, c10::kLong, c10::kInt, c10::kShort,
+                         c10::kChar, c10::kByte, c10::kBool, c10::kComplexFloat, c10::kComplexDouble}) {
+        names.insert(storage_class(dtype));
+      }
+      return names;
+    }();
+    const auto document = restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size, allowed, "item");
+    using Kind = PickleValue::Kind;
+    const auto& root = *document.root;
+    auto integers = [](const PickleValue& tuple, std::vector<int64_t>& out) {
+      if (tuple.kind != Kind::kTuple) return false;
+      for (const auto* item : tuple.items) {
+        if (item->kind != Kind::kInt) return false;
+        out.push_back(item->integer);
+      }
+      return true;
+    };
+    int64_t numel = 1;
+    for (const auto size : chunk.sizes) numel *= size;
+    std::vector<int64_t> sizes, strides, contiguous(chunk.sizes.size(), 1);
+    for (size_t dim = chunk.sizes.size(); dim-- > 1;) contiguous[dim - 1] = contiguous[dim] * chunk.sizes[dim];
+    if (root.kind == Kind::kObject && root.callee->text == "torch._utils._rebuild_tensor_v2" &&
+        root.arguments->items.size() >= 4) {
+      const auto& arguments = root.arguments->items;
+      const auto* reference = arguments[0];
+      if (reference->kind == Kind::kObject && reference->callee->text == kPersistentLoad &&
+          reference->arguments->items.size() == 1 && reference->arguments->items[0]->kind == Kind::kTuple) {
+        const auto& fields = reference->arguments->items[0]->items;
+        if (fields.size() == 5 && fields[1]->kind == Kind::kGlobal && fields[1]->text == expected_class &&
+            fields[2]->kind == Kind::kString && fields[4]->kind == Kind::kInt && fields[4]->integer == numel &&
+            arguments[1]->kind == Kind::kInt && arguments[1]->integer == 0 && integers(*arguments[2], sizes) &&
+            integers(*arguments[3], strides) && sizes == chunk.sizes && (numel == 0 || strides == contiguous)) {
+          const auto record = "data/" + fields[2]->text;
+          const auto bytes = numel * static_cast<int64_t>(c10::elementSize(tensor.dtype));
+          if (archive.hasRecord(record) && static_cast<int64_t>(archive.getRecordSize(record)) == bytes) {
+            const auto offset = static_cast<int64_t>(archive.getRecordOffset(record));
+            if (offset >= 0 && offset <= storage.length - bytes) result = storage.offset + offset;
+          }
+        }
+      }
+    }
+  } catch (const std::exception&) {
+    result.reset();  // the unpickler's path names what is wrong
+  }
+  raw_offsets_[cache_key] = result;
+  return result;
+}
 
 DcpDirectoryReader::DcpDirectoryReader(const std::string& directory, bool unwrap_single_key)
     : directory_(directory), metadata_(read_dcp_metadata(directory)) {
@@ -181,6 +313,28 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
     int64_t numel = 1;
     for (const auto size : chunk.sizes) numel *= size;
     if (numel == 0) continue;
+    auto target = result.narrow(0, first - row_begin, last - first);
+    // Rows spanning the other dimensions: read from the file straight into the result.
+    bool whole_rows = result.is_contiguous();
+    for (size_t dim = 1; dim < sizes.size(); ++dim) whole_rows = whole_rows && chunk.offsets[dim] == 0 && chunk.sizes[dim] == sizes[dim];
+    if (whole_rows) {
+      std::lock_guard<std::mutex> lock(cache_mutex_);
+      if (const auto offset = raw_data_offset(key, entry, index)) {
+        const int64_t row_bytes = target.numel() / (last - first) * static_cast<int64_t>(target.element_size());
+        const int64_t start = *offset + (first - chunk.offsets[0]) * row_bytes;
+        const int64_t count = (last - first) * row_bytes;
+        const int file = descriptor(chunk.storage.relative_path);
+        auto* out = static_cast<char*>(target.data_ptr());
+        int64_t done = 0;
+        while (done < count) {
+          const auto got = ::pread(file, out + done, static_cast<size_t>(count - done), static_cast<off_t>(start + done));
+          TORCH_CHECK(got > 0, item_name(chunk.storage), " (chunk of '", key, "') could not be read: ",
+                      got < 0 ? std::strerror(errno) : "the file ended");
+          done += got;
+        }
+        continue;
+      }
+    }
     at::Tensor loaded;
     {
       std::lock_guard<std::mutex> lock(cache_mutex_);
@@ -192,7 +346,6 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
       }
       loaded = cached_;
     }
-    auto target = result.narrow(0, first - row_begin, last - first);
     for (size_t dim = 1; dim < sizes.size(); ++dim) target = target.narrow(static_cast<int64_t>(dim), chunk.offsets[dim], chunk.sizes[dim]);
     target.copy_(loaded.narrow(0, first - chunk.offsets[0], last - first));
   }

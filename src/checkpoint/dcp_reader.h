@@ -12,6 +12,8 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -27,6 +29,9 @@ class DcpDirectoryReader : public TensorSource {
   /// {...}}, as Accelerate saves) is read under the names inside it ("0.weight"), as Accelerate's
   /// merge does; otherwise under the flattened keys ("model.0.weight").
   explicit DcpDirectoryReader(const std::string& directory, bool unwrap_single_key = true);
+  ~DcpDirectoryReader() override;
+  DcpDirectoryReader(const DcpDirectoryReader&) = delete;
+  DcpDirectoryReader& operator=(const DcpDirectoryReader&) = delete;
   bool contains(const std::string& name) const override;
   std::vector<int64_t> shape(const std::string& name) const override;
   at::Tensor rows(const std::string& name, int64_t row_begin, int64_t row_count) const override;
@@ -58,6 +63,10 @@ class DcpDirectoryReader : public TensorSource {
   c10::IValue load_item(const DcpStorage& storage, const std::string& key, const std::string& item) const;
   std::string item_name(const DcpStorage& storage) const;
   at::Tensor load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
+  /// Where in its file the chunk's elements start, when the archive is torch.save of a contiguous
+  /// tensor of the chunk's dtype and sizes (checked); nullopt otherwise. Call under cache_mutex_.
+  std::optional<int64_t> raw_data_offset(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
+  int descriptor(const std::string& relative_path) const;
 
   std::string directory_;
   DcpMetadata metadata_;
@@ -69,6 +78,8 @@ class DcpDirectoryReader : public TensorSource {
   mutable std::string cached_key_;
   mutable size_t cached_chunk_ = 0;
   mutable at::Tensor cached_;
+  mutable std::map<std::pair<std::string, size_t>, std::optional<int64_t>> raw_offsets_;
+  mutable std::map<std::string, int> descriptors_;
 };
 
 }  // namespace fsdp::detail
