@@ -376,12 +376,14 @@ DcpParamGroups dcp_param_groups(const DcpDirectoryReader& reader, const std::str
                 "parameter groups only");
     const auto where = reader.description() + " item '" + key + "'";
     if (path.size() == first + 1) {
-      // Older writers: the whole list of groups in one item.
+      // Older writers: the whole list of groups in one item (a tuple stays whole in newer ones too).
       const auto value = reader.byte_item(key);
-      TORCH_CHECK(value.isList(), where, " is a ", value.tagKind(), ", expected the list of parameter groups");
+      TORCH_CHECK(value.isList() || value.isTuple(), where, " is a ", value.tagKind(),
+                  ", expected the list of parameter groups");
+      const std::vector<c10::IValue> elements =
+          value.isList() ? value.toList().vec() : value.toTupleRef().elements().vec();
       size_t index = 0;
-      for (const auto& element : value.toList()) {
-        const c10::IValue group = element;
+      for (const auto& group : elements) {
         TORCH_CHECK(group.isGenericDict(), where, ": group ", index, " is a ", group.tagKind(), ", expected a dict");
         auto& target = group_at(index);
         for (const auto& entry : group.toGenericDict()) {

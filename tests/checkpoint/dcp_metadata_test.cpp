@@ -11,6 +11,7 @@
 #include <fstream>
 
 #include "checkpoint/dcp_metadata.h"
+#include "checkpoint/dcp_reader.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -92,6 +93,26 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DcpMetadataLikePyTorch, ::testing::Values(2, 3),
 
 // A real .metadata with one byte changed or cut short: always an error naming the file, never a
 // crash (the fuzz target in the DCP issue covers this wider).
+// The parameter groups read the same from one item per option (torch 2.13) and from the whole list
+// in one item (older writers): PyTorch's own values, AdamW's class told by decoupled_weight_decay.
+TEST(DcpMetadata, ParameterGroupsInOneItemReadAsOneItemPerOption) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::PythonOptions options;
+  options.world_size = 2;
+  ASSERT_TRUE(testing::run_python("dcp_fixture.py", {directory}, options).ok);
+  const auto per_option = dcp_param_groups(DcpDirectoryReader(directory + "/optimizer_0"), "AdamW");
+  const auto one_item = dcp_param_groups(DcpDirectoryReader(directory + "/optimizer_one_item_groups"), "AdamW");
+  EXPECT_EQ(per_option.optimizer, "AdamW");
+  EXPECT_EQ(one_item.optimizer, "AdamW");
+  EXPECT_EQ(nlohmann::json::parse(per_option.json), nlohmann::json::parse(one_item.json));
+  const auto groups = nlohmann::json::parse(per_option.json);
+  ASSERT_EQ(groups.size(), 1u);
+  EXPECT_EQ(groups[0]["lr"], 0.01);
+  EXPECT_EQ(groups[0]["betas"], nlohmann::json::array({0.9, 0.999}));
+  EXPECT_EQ(groups[0]["params"].size(), 7u);
+  EXPECT_EQ(groups[0]["params"][0], "0.weight");
+}
+
 TEST(DcpMetadata, DamagedFilesAreNamedErrors) {
   const auto directory = testing::shared_temporary_directory();
   testing::PythonOptions options;

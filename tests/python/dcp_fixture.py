@@ -9,7 +9,9 @@ fully_shard, takes two AdamW steps, then saves like accelerate's save_fsdp_model
 SHARDED_STATE_DICT:
     dcp.save({"model": get_model_state_dict(model)}, DIR/pytorch_model_fsdp_0)
     dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, DIR/optimizer_0)
-Rank 0 then writes DIR/expected.json: for both directories, PyTorch's own read_metadata() in plain
+The same optimizer state is saved once more into DIR/optimizer_one_item_groups with its param_groups
+as one non-tensor value (a tuple, which DCP's flattening keeps whole), the layout older torch wrote
+for the list. Rank 0 then writes DIR/expected.json: for both directories, PyTorch's own read_metadata() in plain
 form (every key with its dtype, size and chunks, or "bytes", and every storage entry), and
 DIR/full_model.safetensors, the full model state dict.
 """
@@ -63,7 +65,10 @@ def main(directory):
         optimizer.step()
         optimizer.zero_grad()
     dcp.save({"model": get_model_state_dict(model)}, checkpoint_id=f"{directory}/pytorch_model_fsdp_0")
-    dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=f"{directory}/optimizer_0")
+    optimizer_state = get_optimizer_state_dict(model, optimizer)
+    dcp.save({"optimizer": optimizer_state}, checkpoint_id=f"{directory}/optimizer_0")
+    dcp.save({"optimizer": {"state": optimizer_state["state"], "param_groups": tuple(optimizer_state["param_groups"])}},
+             checkpoint_id=f"{directory}/optimizer_one_item_groups")
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if dist.get_rank() == 0:
         expected = {name: plain(FileSystemReader(f"{directory}/{name}").read_metadata())
