@@ -117,6 +117,9 @@ class Accelerator {
   TrainingProgress load_state(const std::string& directory);
 
  private:
+  /// Ranks that would prepare differently (another plugin from their environment, another model)
+  /// get one error naming each difference, before any collective.
+  void agree_on_preparation(torch::nn::Module& model, torch::optim::Optimizer& optimizer) const;
   DistributedContext context_;
   FullyShardedDataParallelPlugin plugin_;
   std::string mixed_precision_;

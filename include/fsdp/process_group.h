@@ -118,4 +118,11 @@ struct RankReport {
 };
 NodeLayout plan_node_layout(const std::vector<RankReport>& reports);
 
+/// Raises the same error on every rank when `fields` (names and their values' text, the same names
+/// in the same order) differ across ranks: `what`, each field that differs with the ranks holding
+/// each value ("'--seed' is 1234 on rank 0 and 1235 on rank 1"), then `fix`. Call it before the
+/// first collective of a run, with everything that must agree. Collective over `context.world()`.
+void require_same_on_every_rank(const DistributedContext& context, const std::string& what,
+                                const std::vector<std::pair<std::string, std::string>>& fields, const std::string& fix);
+
 }  // namespace fsdp

@@ -17,7 +17,7 @@
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 #include "checkpoint/hf_shards.h"
 #include "config/text.h"
 #include "io/atomic_file.h"
@@ -72,6 +72,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
                                 at::TensorOptions().dtype(parameter.scalar_type()).requires_grad(false));
     }
   }
+  agree_on_preparation(*model, optimizer);
   fsdp2_prepare_model(*this, model);
   std::unordered_map<std::string, at::Tensor> new_parameters;
   for (const auto& item : model->named_parameters()) new_parameters.emplace(item.key(), item.value());
@@ -101,6 +102,34 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   model_ = model;
   optimizer_ = &optimizer;
   return model;
+}
+
+void Accelerator::agree_on_preparation(torch::nn::Module& model, torch::optim::Optimizer& optimizer) const {
+  if (context_.world_size() <= 1) return;
+  // What must be the same on every rank before the first collective: the resolved plugin (from each
+  // rank's own environment), the precision, accumulation, and the model the plugin will shard.
+  std::vector<std::pair<std::string, std::string>> fields;
+  const auto plugin = nlohmann::json::parse(plugin_.to_json());
+  for (const auto& [name, entry] : plugin.items()) {
+    fields.emplace_back(name, entry.is_object() && entry.contains("value") ? entry["value"].dump() : entry.dump());
+  }
+  fields.emplace_back("mixed_precision", mixed_precision_);
+  fields.emplace_back("gradient_accumulation_steps", std::to_string(gradient_accumulation_steps_));
+  int64_t count = 0;
+  for (const auto& item : model.named_parameters()) {
+    fields.emplace_back("parameter " + item.key(), c10::str(item.value().sizes(), " ", item.value().scalar_type()));
+    ++count;
+  }
+  for (const auto& item : model.named_buffers()) {
+    fields.emplace_back("buffer " + item.key(), c10::str(item.value().sizes(), " ", item.value().scalar_type()));
+  }
+  fields.emplace_back("parameter count", std::to_string(count));
+  size_t slots = 0;
+  for (const auto& group : optimizer.param_groups()) slots += group.params().size();
+  fields.emplace_back("optimizer parameters", std::to_string(slots));
+  detail::agree_on_fields(context_, "Accelerator::prepare", fields,
+                          "Every rank must build the same model and optimizer, and launch with the same FSDP_* and "
+                          "ACCELERATE_* environment and config file (fsdp launch gives every rank the same)");
 }
 
 CheckpointOptions checkpoint_options_from_plugin(const FullyShardedDataParallelPlugin& plugin) {

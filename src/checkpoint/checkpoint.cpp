@@ -19,7 +19,7 @@
 #include <fsdp/version.h>
 
 #include "checkpoint/accelerate_states.h"
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/dcp_writer.h"
 #include "checkpoint/optimizer_state.h"

@@ -14,7 +14,7 @@
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/torch_file.h>
 
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
 #include "io/pickle_writer.h"

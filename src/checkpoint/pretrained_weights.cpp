@@ -6,7 +6,7 @@
 #include <fstream>
 #include <sstream>
 
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 
 namespace fsdp {
 namespace {

@@ -12,7 +12,7 @@
 
 #include <fsdp/collectives.h>
 
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
 

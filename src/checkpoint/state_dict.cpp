@@ -12,7 +12,7 @@
 #include <fsdp/fully_shard.h>
 #include <fsdp/pretrained_model.h>
 
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "checkpoint/optimizer_state.h"
 

@@ -4,6 +4,7 @@
 // Note [Reaching Gloo from the torch wheel] how this file compiles against a libtorch that ships no
 // Gloo headers.
 #include "dist/c10d_backend.h"
+#include "dist/activity.h"
 
 #include <fsdp/collectives.h>
 
@@ -168,6 +169,8 @@ CollectiveWork pending_work(const ProcessGroupState& group, std::vector<c10::int
   state->works = std::move(works);
   state->finish = std::move(finish);
   state->description = std::move(description);
+  // Recorded when issued: the wait may come later, inside another unit's work.
+  if (!detail::current_activity().empty()) state->description += " (for " + detail::current_activity() + ")";
   state->timeout = group.timeout;
   return CollectiveWork(state);
 }

@@ -10,6 +10,7 @@
 #include <fsdp/collectives.h>
 #include <fsdp/meta_device.h>
 
+#include "dist/agreement.h"
 #include "engine/module_state.h"
 #include "engine/registry.h"
 #include "engine/param_group.h"
@@ -184,6 +185,48 @@ ParamGroup& group_of(const FSDPModule& module) { return *module.group_; }
 
 int64_t FSDPModule::unsharded_buffer_bytes() const { return group_->unsharded_buffer_bytes(); }
 
+namespace {
+
+std::string dtype_text(const std::optional<c10::ScalarType>& dtype) { return dtype ? c10::toString(*dtype) : "none"; }
+
+void agree_on_unit(const std::vector<std::shared_ptr<torch::nn::Module>>& modules, const DistributedContext& context,
+                   const FullyShardOptions& options) {
+  std::vector<std::pair<std::string, std::string>> fields;
+  std::string names;
+  for (const auto& module : modules) names += (names.empty() ? "" : ", ") + module->name();
+  fields.emplace_back("modules", names);
+  fields.emplace_back("sharding_strategy", to_string(options.sharding_strategy));
+  fields.emplace_back("reshard_after_forward",
+                      options.reshard_after_forward ? (*options.reshard_after_forward ? "true" : "false") : "default");
+  fields.emplace_back("mixed_precision", "param " + dtype_text(options.mixed_precision.param_dtype) + ", reduce " +
+                                             dtype_text(options.mixed_precision.reduce_dtype) + ", buffer " +
+                                             dtype_text(options.mixed_precision.buffer_dtype) + ", output " +
+                                             dtype_text(options.mixed_precision.output_dtype));
+  fields.emplace_back("offload_params", options.offload.offload_params ? "true" : "false");
+  fields.emplace_back("sync_module_states", options.sync_module_states ? "true" : "false");
+  fields.emplace_back("ignored_parameters", std::to_string(options.ignored_parameters.size()));
+  int64_t count = 0;
+  // Parameters an inner unit already manages hold this rank's shard (its size differs by rank);
+  // they were agreed on when that unit was made.
+  const auto already_managed = detail::managed_parameters();
+  for (size_t index = 0; index < modules.size(); ++index) {
+    const std::string prefix = modules.size() == 1 ? "" : modules[index]->name() + ".";
+    for (const auto& item : modules[index]->named_parameters()) {
+      const auto& tensor = item.value();
+      if (tensor.defined() && already_managed.count(tensor.unsafeGetTensorImpl())) continue;
+      fields.emplace_back("parameter " + prefix + item.key(),
+                          tensor.defined() ? c10::str(tensor.sizes(), " ", tensor.scalar_type()) : "undefined");
+      ++count;
+    }
+  }
+  fields.emplace_back("parameter count", std::to_string(count));
+  detail::agree_on_fields(context, "fully_shard(" + names + ")", fields,
+                          "Every rank must build the same model and call fully_shard on the same modules, in the "
+                          "same order, with the same options");
+}
+
+}  // namespace
+
 FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const DistributedContext& context,
                        const FullyShardOptions& options) {
   return fully_shard(std::vector<std::shared_ptr<torch::nn::Module>>{module}, context, options);
@@ -205,6 +248,9 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   std::unordered_set<const c10::TensorImpl*> ignored;
   for (const auto& tensor : options.ignored_parameters) ignored.insert(tensor.unsafeGetTensorImpl());
 
+  // Before any collective: ranks that shard different modules, or the same with other options,
+  // would otherwise abort inside Gloo or wait for each other until the timeout.
+  if (context.world_size() > 1) agree_on_unit(modules, context, options);
   materialize_meta_modules(modules, context, options);
   std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> managed_modules;
   for (size_t index = 0; index < modules.size(); ++index) {

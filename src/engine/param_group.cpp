@@ -1,5 +1,7 @@
 #include "engine/param_group.h"
 
+#include "dist/activity.h"
+
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
@@ -232,6 +234,7 @@ void ParamGroup::unshard(bool async_op) {
   }
   auto input = pooled_bytes(all_gather_row_bytes_, device_);
   all_gather_copy_in(parameters_, input);
+  const ActivityScope activity(activity_text());
   PendingUnshard pending;
   pending.output = pooled_bytes(shard_size * all_gather_row_bytes_, device_);
   pending.work = all_gather_async(*shard_group_, pending.output, input);
@@ -302,8 +305,13 @@ bool ParamGroup::on_input_gradient() {
   return pending_input_gradients_ > 0 && --pending_input_gradients_ == 0;
 }
 
+std::string ParamGroup::activity_text() const {
+  return description() + ", iteration " + std::to_string(iterations_) + ", " + to_string(training_state_);
+}
+
 void ParamGroup::begin_iteration() {
   if (training_state_ != TrainingState::kIdle) return;
+  ++iterations_;
   refresh_trainable_parameters();
   for (auto& parameter : parameters_) {
     parameter.stashed_sharded_gradient = parameter.parameter.grad();
@@ -406,6 +414,7 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
                                   .zero_();
   reduce_scatter_copy_in(parameters_, unsharded_gradients, flags_offset, reduce_scatter_input);
   if (pre_divide != 1.0) reduce_scatter_input.div_(pre_divide);
+  const ActivityScope activity(activity_text());
   PendingReduction pending;
   pending.post_divide = post_divide;
   if (shard_size > 1) {

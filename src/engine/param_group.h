@@ -188,6 +188,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   }
   TrainingState training_state() const { return training_state_; }
   void begin_iteration();
+  /// "FSDP unit model.layers.3 (Block), iteration 12, FORWARD": what its collectives are for.
+  std::string activity_text() const;
   /// Whether any rank had a gradient, per trainable parameter, over this iteration's reductions
   /// (undefined before the first): Note [gradient flags].
   const at::Tensor& gradient_flags() const { return gradient_flags_; }
@@ -228,6 +230,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::optional<std::string> module_path_;
 
   TrainingState training_state_ = TrainingState::kIdle;
+  /// Training iterations this unit has begun (1 during the first), named in collective failures.
+  int64_t iterations_ = 0;
   int64_t pending_input_gradients_ = 0;
   std::optional<PendingReduction> reduction_in_flight_;
   std::optional<PendingUnshard> unshard_in_flight_;

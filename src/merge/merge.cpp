@@ -13,7 +13,7 @@
 #include <fsdp/state_dict.h>
 #include <fsdp/torch_file.h>
 
-#include "checkpoint/agreement.h"
+#include "dist/agreement.h"
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/hf_shards.h"

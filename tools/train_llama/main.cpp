@@ -83,6 +83,44 @@ std::vector<torch::Tensor> unique_parameters(const torch::nn::Module& model) {
   return parameters;
 }
 
+/// The flags every rank must share, as they were given.
+std::vector<std::pair<std::string, std::string>> run_fields(const Settings& settings) {
+  auto number = [](double value) {
+    char text[32];
+    std::snprintf(text, sizeof(text), "%.17g", value);
+    return std::string(text);
+  };
+  return {{"--preset", settings.preset},
+          {"--steps", std::to_string(settings.steps)},
+          {"--seed", std::to_string(settings.seed)},
+          {"--global-batch-size", std::to_string(settings.global_batch_size)},
+          {"--micro-batch-size", std::to_string(settings.micro_batch_size)},
+          {"--seq-len", std::to_string(settings.seq_len)},
+          {"--lr", number(settings.lr)},
+          {"--min-lr", number(settings.min_lr)},
+          {"--warmup-steps", std::to_string(settings.warmup_steps)},
+          {"--weight-decay", number(settings.weight_decay)},
+          {"--max-grad-norm", number(settings.max_grad_norm)},
+          {"--eval-every", std::to_string(settings.eval_every)},
+          {"--eval-tokens", std::to_string(settings.eval_tokens)},
+          {"--output-dir", fs::absolute(settings.output_dir).lexically_normal().string()},
+          {"--checkpoint-every", std::to_string(settings.checkpoint_every)},
+          {"--total-limit", std::to_string(settings.total_limit)},
+          {"--resume-from", settings.resume_from},
+          {"--init-from", settings.init_from},
+          {"--stop-after", std::to_string(settings.stop_after)},
+          {"--sample-bytes", std::to_string(settings.sample_bytes)}};
+}
+
+/// A text's size and FNV-1a hash: ranks that read different files differ here.
+std::string text_fingerprint(const std::string& text) {
+  uint64_t hash = 1469598103934665603ULL;
+  for (const unsigned char byte : text) hash = (hash ^ byte) * 1099511628211ULL;
+  char digest[24];
+  std::snprintf(digest, sizeof(digest), "%016llx", static_cast<unsigned long long>(hash));
+  return std::to_string(text.size()) + " bytes, FNV-1a " + digest;
+}
+
 /// Linear warmup, then cosine decay to min_lr at the last step.
 double learning_rate(const Settings& settings, int64_t step) {
   if (step <= settings.warmup_steps) return settings.lr * step / std::max<int64_t>(1, settings.warmup_steps);
@@ -270,6 +308,15 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   TORCH_CHECK(static_cast<int64_t>(eval_text.size()) >= settings.seq_len + 1, "the evaluation text has ", eval_text.size(),
               " bytes, fewer than --seq-len + 1 = ", settings.seq_len + 1,
               "; give a longer --data (its last tenth is held out) or an --eval-data file");
+  // Before any collective: ranks started with other flags or other data would abort inside Gloo,
+  // wait for each other until the timeout, or train to a wrong result with exit 0.
+  auto fields = run_fields(settings);
+  fields.emplace_back("model config", config.to_json());
+  fields.emplace_back("training text", text_fingerprint(corpus));
+  fields.emplace_back("evaluation text", text_fingerprint(eval_text));
+  fsdp::require_same_on_every_rank(context, "train_llama's settings", fields,
+                                   "Start every rank with the same flags and the same --data and --eval-data files "
+                                   "(fsdp launch gives every rank the same command line)");
   const auto train_tokens = train_llama::bytes_to_tokens(corpus);
   const auto eval_tokens = train_llama::bytes_to_tokens(eval_text);
 

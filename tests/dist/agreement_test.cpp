@@ -1,0 +1,73 @@
+// Ranks that disagree get one error naming each difference and each rank's value, on every rank,
+// before any data collective (issue Reliability): require_same_on_every_rank itself, then
+// Accelerator::prepare with another FSDP_* environment on one rank, and fully_shard of another
+// model on one rank, which used to abort inside Gloo (op.preamble.length <= op.nbytes) or wait for
+// the collective timeout.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fsdp/fsdp.h>
+
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+#include "harness/test_models.h"
+
+namespace fsdp {
+namespace {
+
+TEST(Agreement, FieldsThatDifferAreNamedWithEachRanksValue) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    const std::string rank = std::to_string(context.rank());
+    require_same_on_every_rank(context, "the same", {{"a", "1"}, {"b", "2"}}, "unused");
+    const auto message = testing::error_message_of([&] {
+      require_same_on_every_rank(context, "the run",
+                                 {{"a", "1"}, {"b", context.rank() == 1 ? "x" : "y"}, {"c", context.rank() == 2 ? "p" : "q"}},
+                                 "Start every rank alike.");
+    });
+    EXPECT_NE(message.find("the run: the ranks disagree: 'b' is x on rank 1 and y on ranks 0, 2; 'c' is p on rank 2 "
+                           "and q on ranks 0, 1. Start every rank alike."),
+              std::string::npos)
+        << message;
+    // A field only some ranks state.
+    std::vector<std::pair<std::string, std::string>> fields = {{"a", "1"}};
+    if (context.rank() == 0) fields.emplace_back("extra", "e");
+    const auto missing = testing::error_message_of([&] { require_same_on_every_rank(context, "the run", fields, "Fix."); });
+    EXPECT_NE(missing.find("'extra' is (not stated) on ranks 1, 2 and e on rank 0"), std::string::npos) << missing;
+  });
+}
+
+TEST(Agreement, PrepareWithAnotherEnvironmentOnOneRankIsANamedError) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(1);
+    testing::MlpStack model;
+    torch::optim::AdamW optimizer(model->parameters());
+    EnvironmentMap environment;
+    if (context.rank() == 1) environment["FSDP_RESHARD_AFTER_FORWARD"] = "false";
+    AcceleratorOptions options;
+    Accelerator accelerator(context, options, environment);
+    const auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+    EXPECT_NE(message.find("Accelerator::prepare: the ranks disagree: 'reshard_after_forward' is"), std::string::npos)
+        << message;
+    EXPECT_NE(message.find("on rank 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("launch with the same FSDP_* and ACCELERATE_* environment"), std::string::npos) << message;
+  });
+}
+
+TEST(Agreement, FullyShardOfAnotherModelOnOneRankIsANamedError) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::nn::Sequential model(torch::nn::Linear(4, context.rank() == 1 ? 6 : 5), torch::nn::Linear(5, 2));
+    const auto message = testing::error_message_of([&] { fully_shard(model.ptr(), context); });
+    EXPECT_NE(message.find("the ranks disagree: 'parameter 0.weight' is [5, 4] Float on rank 0 and [6, 4] Float on rank 1"),
+              std::string::npos)
+        << message;
+    // Other options for the same module.
+    torch::nn::Linear layer(3, 3);
+    FullyShardOptions options;
+    if (context.rank() == 0) options.sharding_strategy = ShardingStrategy::kNoShard;
+    const auto strategy = testing::error_message_of([&] { fully_shard(layer.ptr(), context, options); });
+    EXPECT_NE(strategy.find("'sharding_strategy' is"), std::string::npos) << strategy;
+  });
+}
+
+}  // namespace
+}  // namespace fsdp
