@@ -8,6 +8,7 @@
 #include <iostream>
 #include <map>
 #include <unordered_map>
+#include <unordered_set>
 
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
@@ -55,6 +56,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   TORCH_CHECK(optimizer.state().empty(),
               "Accelerator::prepare: the optimizer has already stepped, so its state has the shapes of the full "
               "parameters. Create the optimizer, then prepare it with the model before the first step");
+  agree_on_preparation(*model, optimizer);
   // Spec §3.4 steps 6-11: remember each optimizer slot's parameter by its data pointer, let the
   // slots point at nothing so sharding can free the full tensors, shard, then map back by name.
   // A parameter without memory (built on the meta device, or empty) has no data pointer of its own:
@@ -72,7 +74,6 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
                                 at::TensorOptions().dtype(parameter.scalar_type()).requires_grad(false));
     }
   }
-  agree_on_preparation(*model, optimizer);
   fsdp2_prepare_model(*this, model);
   std::unordered_map<std::string, at::Tensor> new_parameters;
   for (const auto& item : model->named_parameters()) new_parameters.emplace(item.key(), item.value());
@@ -116,9 +117,16 @@ void Accelerator::agree_on_preparation(torch::nn::Module& model, torch::optim::O
   fields.emplace_back("mixed_precision", mixed_precision_);
   fields.emplace_back("gradient_accumulation_steps", std::to_string(gradient_accumulation_steps_));
   int64_t count = 0;
+  // A parameter a unit already manages (the model, or part of it, was sharded before prepare) holds
+  // this rank's shard, whose size differs by rank: its unit agreed on it when it was made.
+  std::unordered_set<const c10::TensorImpl*> managed;
+  for (const auto& unit : fsdp_modules(model)) {
+    for (const auto& info : unit.sharded_parameters()) managed.insert(info.parameter.unsafeGetTensorImpl());
+  }
   for (const auto& item : model.named_parameters()) {
-    fields.emplace_back("parameter " + item.key(), c10::str(item.value().sizes(), " ", item.value().scalar_type()));
     ++count;
+    if (managed.count(item.value().unsafeGetTensorImpl())) continue;
+    fields.emplace_back("parameter " + item.key(), c10::str(item.value().sizes(), " ", item.value().scalar_type()));
   }
   for (const auto& item : model.named_buffers()) {
     fields.emplace_back("buffer " + item.key(), c10::str(item.value().sizes(), " ", item.value().scalar_type()));

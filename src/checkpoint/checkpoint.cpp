@@ -234,8 +234,11 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
                      const DistributedContext& context, const TrainingProgress& progress,
                      const CheckpointOptions& options) {
   const bool main = context.rank() == 0;
-  // An overwritten directory counts as incomplete until this save has finished everywhere.
+  // An overwritten directory counts as incomplete until this save has finished everywhere: neither
+  // our marker nor Accelerate's random states (which make a directory one of Accelerate's complete
+  // checkpoints) may survive from what was there.
   if (main && fs::exists(path_in(directory, kMarker))) fs::remove(path_in(directory, kMarker));
+  if (main && random_states_from_accelerate(directory)) fs::remove(path_in(directory, random_states_file(0)));
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
   on_every_rank(context, [&] { fs::create_directories(directory); });
   std::string model_file;

@@ -20,6 +20,8 @@ constexpr int64_t kMaxMetadataBytes = int64_t{1} << 30;
 // torch's limit on a tensor's dimensions, and a nesting no state dict comes near.
 constexpr size_t kMaxDims = 64;
 constexpr size_t kMaxPathElements = 256;
+// Chunks that are not runs of rows (tensor parallelism) are checked pairwise: 5e7 comparisons at most.
+constexpr size_t kMaxPairwiseChunks = 10000;
 
 // What DCP's .metadata references, across the torch versions that write it (older ones import
 // TensorProperties and the memory-format enum from the sharded-tensor package).
@@ -221,7 +223,7 @@ class Interpreter {
                     " outside its size ", text_of(tensor.size));
         TORCH_CHECK(!c10::mul_overflows(numel, chunk.sizes[dim], &numel), fail(where), "has a chunk too large to count");
       }
-      covered += numel;
+      TORCH_CHECK(!c10::add_overflows(covered, numel, &covered), fail(where), "has chunks too large to count");
       tensor.chunks.push_back(std::move(chunk));
     }
     int64_t numel = 1;
@@ -264,7 +266,10 @@ class Interpreter {
       }
       return;
     }
-    spend(chunks.size() * chunks.size() / 2);
+    // Pairwise: bounded on its own (the walk budget counts values read, not comparisons).
+    TORCH_CHECK(chunks.size() <= kMaxPairwiseChunks, fail(where), "has ", chunks.size(),
+                " chunks that are not runs of whole rows; fsdp.cpp checks that at most ", kMaxPairwiseChunks,
+                " such chunks tile a tensor, so it does not read this checkpoint");
     for (size_t first = 0; first < chunks.size(); ++first) {
       for (size_t second = first + 1; second < chunks.size(); ++second) {
         bool overlap = true;

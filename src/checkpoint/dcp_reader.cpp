@@ -1,12 +1,14 @@
 #include "checkpoint/dcp_reader.h"
 
 #include <ATen/ATen.h>
+#include <c10/util/safe_numerics.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <cstring>
 #include <optional>
 #include <set>
@@ -45,6 +47,7 @@ class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
     while (done < count) {
       const auto got = ::pread(descriptor_, static_cast<char*>(buffer) + done, count - done,
                                static_cast<off_t>(offset_ + static_cast<int64_t>(position + done)));
+      if (got < 0 && errno == EINTR) continue;
       if (got <= 0) break;
       done += static_cast<size_t>(got);
     }
@@ -85,6 +88,12 @@ DcpDirectoryReader::~DcpDirectoryReader() {
 int DcpDirectoryReader::descriptor(const std::string& relative_path) const {
   auto found = descriptors_.find(relative_path);
   if (found != descriptors_.end()) return found->second;
+  // A checkpoint of thousands of ranks must not take thousands of descriptors (Gloo needs some too):
+  // at most 64 files stay open; reads go through tensors in order, so evicting all costs little.
+  if (descriptors_.size() >= 64) {
+    for (const auto& [name, open_descriptor] : descriptors_) ::close(open_descriptor);
+    descriptors_.clear();
+  }
   const auto path = (fs::path(directory_) / relative_path).string();
   const int opened = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   TORCH_CHECK(opened >= 0, "cannot open '", path, "': ", std::strerror(errno));
@@ -143,8 +152,9 @@ std::optional<int64_t> DcpDirectoryReader::raw_data_offset(const std::string& ke
             arguments[1]->kind == Kind::kInt && arguments[1]->integer == 0 && integers(*arguments[2], sizes) &&
             integers(*arguments[3], strides) && sizes == chunk.sizes && (numel == 0 || strides == contiguous)) {
           const auto record = "data/" + fields[2]->text;
-          const auto bytes = numel * static_cast<int64_t>(c10::elementSize(tensor.dtype));
-          if (archive.hasRecord(record) && static_cast<int64_t>(archive.getRecordSize(record)) == bytes) {
+          int64_t bytes = 0;
+          if (!c10::mul_overflows(numel, static_cast<int64_t>(c10::elementSize(tensor.dtype)), &bytes) &&
+              archive.hasRecord(record) && static_cast<int64_t>(archive.getRecordSize(record)) == bytes) {
             const auto offset = static_cast<int64_t>(archive.getRecordOffset(record));
             if (offset >= 0 && offset <= storage.length - bytes) result = storage.offset + offset;
           }
@@ -328,6 +338,7 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
         int64_t done = 0;
         while (done < count) {
           const auto got = ::pread(file, out + done, static_cast<size_t>(count - done), static_cast<off_t>(start + done));
+          if (got < 0 && errno == EINTR) continue;
           TORCH_CHECK(got > 0, item_name(chunk.storage), " (chunk of '", key, "') could not be read: ",
                       got < 0 ? std::strerror(errno) : "the file ended");
           done += got;

@@ -215,7 +215,9 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
         // A sharded tensor's rank without rows has no chunk; a tensor with no elements at all still
         // gets one (from rank 0) so that the metadata lists it.
         if (!tensor.replicated && tensor.local.numel() == 0) {
-          const bool empty_tensor = !scalar && tensor.global_shape[0] == 0;
+          int64_t global_numel = 1;
+          for (const auto size : tensor.global_shape) global_numel *= size;
+          const bool empty_tensor = !scalar && global_numel == 0;
           if (!(empty_tensor && rank == 0)) continue;
         }
         WrittenItem item;

@@ -81,6 +81,15 @@ void agree_on_fields(const DistributedContext& context, const std::string& what,
       message += (index++ ? " and " : " ") + (value.empty() ? std::string("''") : value) + " on " + ranks_text(holders);
     }
   }
+  if (listed == 0) {
+    // Every field has one value, so the lists differ in order or in a repeated name.
+    for (size_t rank = 1; rank < all.size(); ++rank) {
+      if (all[rank] == all[0]) continue;
+      message += " rank " + std::to_string(rank) + " states its fields in another order or repeats one (rank 0: " +
+                 all[0].substr(0, 200) + "; rank " + std::to_string(rank) + ": " + all[rank].substr(0, 200) + ")";
+      break;
+    }
+  }
   TORCH_CHECK(false, message, ". ", fix);
 }
 

@@ -18,28 +18,14 @@
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
 
 namespace fs = std::filesystem;
 
-// accelerate_checkpoint.py's MODEL, with the same parameter names.
-struct FourLinearsImpl : torch::nn::Module {
-  FourLinearsImpl()
-      : first(register_module("0", torch::nn::Linear(3, 5))),
-        second(register_module("1", torch::nn::Linear(5, 7))),
-        third(register_module("2", torch::nn::Linear(7, 3))),
-        fourth(register_module("3", torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)))) {}
-  torch::Tensor forward(torch::Tensor x) {
-    x = fsdp::forward(first, x);
-    x = fsdp::forward(second, x);
-    x = fsdp::forward(third, x);
-    return fsdp::forward(fourth, x);
-  }
-  torch::nn::Linear first, second, third, fourth;
-};
-TORCH_MODULE(FourLinears);
+using testing::FourLinears;
 
 bool lists(const std::vector<std::string>& entries, const std::string& text) {
   for (const auto& entry : entries) {

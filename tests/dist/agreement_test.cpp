@@ -53,6 +53,21 @@ TEST(Agreement, PrepareWithAnotherEnvironmentOnOneRankIsANamedError) {
   });
 }
 
+// What differs legitimately is not compared: a model sharded before prepare holds shards of other
+// sizes on each rank (5 rows over 3 ranks: 2, 2, 1).
+TEST(Agreement, PrepareOfAModelShardedBeforehandAgrees) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    torch::manual_seed(1);
+    testing::MlpStack model;
+    for (auto& block : model->blocks) fully_shard(block.ptr(), context);
+    torch::optim::AdamW optimizer(model->parameters());
+    Accelerator accelerator(context, AcceleratorOptions{}, EnvironmentMap{});
+    EXPECT_NO_THROW(accelerator.prepare(model, optimizer));
+    fsdp::forward(model, torch::randn({2, 3})).sum().backward();
+    optimizer.step();
+  });
+}
+
 TEST(Agreement, FullyShardOfAnotherModelOnOneRankIsANamedError) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
     torch::nn::Sequential model(torch::nn::Linear(4, context.rank() == 1 ? 6 : 5), torch::nn::Linear(5, 2));

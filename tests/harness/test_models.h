@@ -26,6 +26,25 @@ struct MlpBlockImpl : torch::nn::Module {
 };
 TORCH_MODULE(MlpBlock);
 
+/// torch.nn.Sequential(Linear(3, 5), Linear(5, 7), Linear(7, 3), Linear(3, 2, bias=False)), the model
+/// of the DCP scripts in tests/python (dcp_fixture.py and those that import its build()), with the
+/// same parameter names; every Linear can be made a unit.
+struct FourLinearsImpl : torch::nn::Module {
+  FourLinearsImpl()
+      : first(register_module("0", torch::nn::Linear(3, 5))),
+        second(register_module("1", torch::nn::Linear(5, 7))),
+        third(register_module("2", torch::nn::Linear(7, 3))),
+        fourth(register_module("3", torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)))) {}
+  torch::Tensor forward(torch::Tensor x) {
+    x = fsdp::forward(first, x);
+    x = fsdp::forward(second, x);
+    x = fsdp::forward(third, x);
+    return fsdp::forward(fourth, x);
+  }
+  torch::nn::Linear first, second, third, fourth;
+};
+TORCH_MODULE(FourLinears);
+
 /// input Linear(3 -> 5), `depth` residual blocks of Linear(5 -> 7) and Linear(7 -> 5), a head
 /// Linear(5 -> 2), a one-element scale and a 0-dim temperature.
 struct MlpStackImpl : torch::nn::Module {

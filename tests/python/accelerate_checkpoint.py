@@ -4,7 +4,7 @@ Run on N processes with torchrun's variables.
 
     accelerate_checkpoint.py DIR
 
-Every rank seeds 0, builds MODEL (dcp_fixture.py's four Linears) with fully_shard, AdamW(lr 0.01,
+Every rank builds dcp_fixture.py's MODEL (seed 0, four Linears) with fully_shard, AdamW(lr 0.01,
 betas (0.8, 0.9), weight decay 0.1) and a constant LambdaLR, and takes STEPS_BEFORE steps: step s
 draws torch.manual_seed(100 + s); randn(6, 3), each rank takes its rows, the loss is the mean of
 the output squared. Then Accelerate's own functions save what Accelerator.save_state saves, into
@@ -24,20 +24,11 @@ import torch.distributed as dist
 from accelerate import PartialState
 from accelerate.checkpointing import save_accelerator_state
 from accelerate.utils import FullyShardedDataParallelPlugin, save_fsdp_model, save_fsdp_optimizer
-from torch.distributed.fsdp import fully_shard
+
+from dcp_fixture import build  # the same model, seeded 0, each Linear and the root sharded
 
 STEPS_BEFORE = 2
 STEPS_AFTER = 3
-
-
-def build():
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 7), torch.nn.Linear(7, 3),
-                                torch.nn.Linear(3, 2, bias=False))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
 
 
 def step(model, optimizer, scheduler, index):

@@ -4,7 +4,7 @@ Run on M processes with torchrun's variables (M need not be the number of ranks 
     dcp_load_ours.py DIR
 
 DIR/checkpoint holds fsdp.cpp's save_checkpoint output (pytorch_model_fsdp_0/ and optimizer_0/ in
-DCP) of MODEL (below) trained with AdamW; DIR/expected_model.safetensors and
+DCP) of dcp_fixture.py's MODEL trained with AdamW; DIR/expected_model.safetensors and
 DIR/expected_optimizer.safetensors hold fsdp.cpp's full state dicts of the same moment (optimizer
 keys "state.<parameter>.<field>"). Every rank builds MODEL with fully_shard, loads both directories
 the way Accelerate's load_fsdp_model / load_fsdp_optimizer do (dcp.load into the state dicts of
@@ -23,16 +23,8 @@ from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import fully_shard
 
-
-def build():
-    model = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 7), torch.nn.Linear(7, 3),
-                                torch.nn.Linear(3, 2, bias=False))
-    for layer in model:
-        fully_shard(layer)
-    fully_shard(model)
-    return model
+from dcp_fixture import build  # the same model, each Linear and the root sharded
 
 
 def same(name, ours, theirs):
@@ -47,8 +39,7 @@ def same(name, ours, theirs):
 def main(directory):
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    torch.manual_seed(1234)  # other weights than the saved ones: the load must replace every one
-    model = build()
+    model = build()  # seed 0: other weights than the saved ones, so the load must replace every one
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.5)
     model_state = {"model": get_model_state_dict(model)}
     dcp.load(model_state, checkpoint_id=f"{directory}/checkpoint/pytorch_model_fsdp_0")

@@ -103,7 +103,7 @@ std::vector<std::pair<std::string, std::string>> run_fields(const Settings& sett
           {"--max-grad-norm", number(settings.max_grad_norm)},
           {"--eval-every", std::to_string(settings.eval_every)},
           {"--eval-tokens", std::to_string(settings.eval_tokens)},
-          {"--output-dir", fs::absolute(settings.output_dir).lexically_normal().string()},
+          {"--output-dir", settings.output_dir},
           {"--checkpoint-every", std::to_string(settings.checkpoint_every)},
           {"--total-limit", std::to_string(settings.total_limit)},
           {"--resume-from", settings.resume_from},
@@ -286,37 +286,52 @@ int evaluate_only(const Settings& settings, const fsdp::DistributedContext& cont
 int train(const Settings& settings, const fsdp::DistributedContext& context) {
   const int64_t world = context.world_size();
   const int64_t micro = settings.micro_batch_size > 0 ? settings.micro_batch_size : settings.global_batch_size / world;
-  TORCH_CHECK(micro > 0 && settings.global_batch_size % (world * micro) == 0, "--global-batch-size ",
-              settings.global_batch_size, " must be a multiple of ranks (", world, ") x --micro-batch-size (", micro, ")");
-  const int64_t accumulation = settings.global_batch_size / (world * micro);
-  LlamaConfig config = settings.init_from.empty()
-                           ? LlamaConfig::preset(settings.preset)
-                           : LlamaConfig::from_json(read_text((fs::path(settings.init_from) / "config.json").string()),
-                                                    (fs::path(settings.init_from) / "config.json").string());
-  TORCH_CHECK(settings.seq_len <= config.max_position_embeddings, "--seq-len ", settings.seq_len,
-              " exceeds the model's max_position_embeddings ", config.max_position_embeddings);
-  // Data: the corpus; evaluation on --eval-data, or on the last tenth of the corpus held out.
-  std::string corpus = train_llama::load_corpus(settings.data, 2 * (settings.seq_len + 1));
+  int64_t accumulation = 1;
+  LlamaConfig config;
+  std::string corpus;
   std::string eval_text;
-  if (settings.eval_data.empty()) {
-    const size_t split = corpus.size() * 9 / 10;
-    eval_text = corpus.substr(split);
-    corpus.resize(split);
-  } else {
-    eval_text = train_llama::load_corpus(settings.eval_data, settings.seq_len + 1);
+  // A rank whose flags or files fail here must not leave the others waiting in the agreement below:
+  // its error travels with its fields, and every rank raises it.
+  std::string setup_error;
+  try {
+    TORCH_CHECK(micro > 0 && settings.global_batch_size % (world * micro) == 0, "--global-batch-size ",
+                settings.global_batch_size, " must be a multiple of ranks (", world, ") x --micro-batch-size (", micro,
+                ")");
+    accumulation = settings.global_batch_size / (world * micro);
+    config = settings.init_from.empty()
+                 ? LlamaConfig::preset(settings.preset)
+                 : LlamaConfig::from_json(read_text((fs::path(settings.init_from) / "config.json").string()),
+                                          (fs::path(settings.init_from) / "config.json").string());
+    TORCH_CHECK(settings.seq_len <= config.max_position_embeddings, "--seq-len ", settings.seq_len,
+                " exceeds the model's max_position_embeddings ", config.max_position_embeddings);
+    // Data: the corpus; evaluation on --eval-data, or on the last tenth of the corpus held out.
+    corpus = train_llama::load_corpus(settings.data, 2 * (settings.seq_len + 1));
+    if (settings.eval_data.empty()) {
+      const size_t split = corpus.size() * 9 / 10;
+      eval_text = corpus.substr(split);
+      corpus.resize(split);
+    } else {
+      eval_text = train_llama::load_corpus(settings.eval_data, settings.seq_len + 1);
+    }
+    TORCH_CHECK(static_cast<int64_t>(eval_text.size()) >= settings.seq_len + 1, "the evaluation text has ",
+                eval_text.size(), " bytes, fewer than --seq-len + 1 = ", settings.seq_len + 1,
+                "; give a longer --data (its last tenth is held out) or an --eval-data file");
+  } catch (const c10::Error& error) {
+    setup_error = error.what_without_backtrace();
   }
-  TORCH_CHECK(static_cast<int64_t>(eval_text.size()) >= settings.seq_len + 1, "the evaluation text has ", eval_text.size(),
-              " bytes, fewer than --seq-len + 1 = ", settings.seq_len + 1,
-              "; give a longer --data (its last tenth is held out) or an --eval-data file");
   // Before any collective: ranks started with other flags or other data would abort inside Gloo,
   // wait for each other until the timeout, or train to a wrong result with exit 0.
   auto fields = run_fields(settings);
-  fields.emplace_back("model config", config.to_json());
-  fields.emplace_back("training text", text_fingerprint(corpus));
-  fields.emplace_back("evaluation text", text_fingerprint(eval_text));
+  if (setup_error.empty()) {
+    fields.emplace_back("model config", config.to_json());
+    fields.emplace_back("training text", text_fingerprint(corpus));
+    fields.emplace_back("evaluation text", text_fingerprint(eval_text));
+  }
+  fields.emplace_back("setup", setup_error.empty() ? "ok" : setup_error);
   fsdp::require_same_on_every_rank(context, "train_llama's settings", fields,
                                    "Start every rank with the same flags and the same --data and --eval-data files "
                                    "(fsdp launch gives every rank the same command line)");
+  TORCH_CHECK(setup_error.empty(), setup_error);
   const auto train_tokens = train_llama::bytes_to_tokens(corpus);
   const auto eval_tokens = train_llama::bytes_to_tokens(eval_text);
 
