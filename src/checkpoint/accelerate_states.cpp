@@ -99,6 +99,7 @@ AccelerateRandomStates read_accelerate_random_states(const std::string& path) {
       states.torch_cpu_state = at::empty({numel}, at::kByte);
       std::memcpy(states.torch_cpu_state.data_ptr(), data.get(), data_size);
     } else {
+      states.holds_numpy_generator = states.holds_numpy_generator || key == "numpy_random_seed";
       states.not_restored.push_back(describe_entry(key));
     }
   }

@@ -21,6 +21,8 @@ struct AccelerateRandomStates {
   int64_t step = -1;
   /// torch.get_rng_state(): the CPU generator's state (uint8), undefined when absent.
   at::Tensor torch_cpu_state;
+  /// The file holds NumPy's generator ("numpy_random_seed"), as Accelerate's do and fsdp.cpp's never.
+  bool holds_numpy_generator = false;
   /// Entries held but not restorable here ("numpy_random_seed (NumPy's generator)", ...).
   std::vector<std::string> not_restored;
 };

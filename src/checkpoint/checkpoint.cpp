@@ -143,13 +143,10 @@ void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optim
 // that stopped before its marker is never taken for one of Accelerate's).
 bool random_states_from_accelerate(const std::string& directory) {
   try {
-    const auto states = detail::read_accelerate_random_states(path_in(directory, random_states_file(0)));
-    for (const auto& entry : states.not_restored) {
-      if (entry.rfind("numpy_random_seed", 0) == 0) return true;
-    }
+    return detail::read_accelerate_random_states(path_in(directory, random_states_file(0))).holds_numpy_generator;
   } catch (const std::exception&) {
+    return false;
   }
-  return false;
 }
 
 bool is_accelerate_checkpoint(const std::string& directory) {

@@ -7,6 +7,8 @@
 #include <fstream>
 #include <algorithm>
 #include <set>
+#include <utility>
+#include <vector>
 
 #include "io/restricted_unpickler.h"
 
@@ -22,6 +24,18 @@ constexpr size_t kMaxDims = 64;
 constexpr size_t kMaxPathElements = 256;
 // Chunks that are not runs of rows (tensor parallelism) are checked pairwise: 5e7 comparisons at most.
 constexpr size_t kMaxPairwiseChunks = 10000;
+
+// torch's dtypes as the globals `torch.<name>` that TensorProperties pickles.
+const std::vector<std::pair<const char*, c10::ScalarType>>& dtype_globals() {
+  static const std::vector<std::pair<const char*, c10::ScalarType>> table = {
+      {"float64", c10::kDouble},        {"float32", c10::kFloat},          {"float16", c10::kHalf},
+      {"bfloat16", c10::kBFloat16},     {"int64", c10::kLong},             {"int32", c10::kInt},
+      {"int16", c10::kShort},           {"int8", c10::kChar},              {"uint8", c10::kByte},
+      {"bool", c10::kBool},             {"complex64", c10::kComplexFloat}, {"complex128", c10::kComplexDouble},
+      {"float8_e4m3fn", c10::kFloat8_e4m3fn}, {"float8_e5m2", c10::kFloat8_e5m2}, {"uint16", c10::kUInt16},
+      {"uint32", c10::kUInt32},         {"uint64", c10::kUInt64}};
+  return table;
+}
 
 // What DCP's .metadata references, across the torch versions that write it (older ones import
 // TensorProperties and the memory-format enum from the sharded-tensor package).
@@ -42,30 +56,17 @@ const std::set<std::string>& allowed_globals() {
                              "pathlib._local.WindowsPath"}) {
       result.insert(path);
     }
-    for (const char* dtype : {"float64", "float32", "float16", "bfloat16", "int64", "int32", "int16", "int8", "uint8",
-                              "bool", "complex64", "complex128", "float8_e4m3fn", "float8_e5m2", "uint16", "uint32",
-                              "uint64"}) {
-      result.insert(std::string("torch.") + dtype);
-    }
+    for (const auto& [name, dtype] : dtype_globals()) result.insert(std::string("torch.") + name);
     return result;
   }();
   return names;
 }
 
 c10::ScalarType dtype_of(const std::string& name, const std::string& where) {
-  static const std::map<std::string, c10::ScalarType> dtypes = {
-      {"torch.float64", c10::kDouble},    {"torch.float32", c10::kFloat},
-      {"torch.float16", c10::kHalf},      {"torch.bfloat16", c10::kBFloat16},
-      {"torch.int64", c10::kLong},        {"torch.int32", c10::kInt},
-      {"torch.int16", c10::kShort},       {"torch.int8", c10::kChar},
-      {"torch.uint8", c10::kByte},        {"torch.bool", c10::kBool},
-      {"torch.complex64", c10::kComplexFloat}, {"torch.complex128", c10::kComplexDouble},
-      {"torch.float8_e4m3fn", c10::kFloat8_e4m3fn}, {"torch.float8_e5m2", c10::kFloat8_e5m2},
-      {"torch.uint16", c10::kUInt16},     {"torch.uint32", c10::kUInt32},
-      {"torch.uint64", c10::kUInt64}};
-  auto found = dtypes.find(name);
-  TORCH_CHECK(found != dtypes.end(), where, ": dtype ", name, " is not one fsdp.cpp reads");
-  return found->second;
+  for (const auto& [global, dtype] : dtype_globals()) {
+    if (name == std::string("torch.") + global) return dtype;
+  }
+  TORCH_CHECK(false, where, ": dtype ", name, " is not one fsdp.cpp reads");
 }
 
 class Interpreter {
@@ -335,6 +336,13 @@ class Interpreter {
 DcpMetadata parse_dcp_metadata(const uint8_t* data, size_t size, const std::string& source) {
   const auto document = restricted_unpickle(data, size, allowed_globals(), source);
   return Interpreter(source, size + 1024).run(*document.root);
+}
+
+std::string dcp_dtype_name(c10::ScalarType dtype) {
+  for (const auto& [name, entry] : dtype_globals()) {
+    if (entry == dtype) return name;
+  }
+  TORCH_CHECK(false, "a DCP checkpoint cannot hold a tensor of dtype ", dtype);
 }
 
 bool is_dcp_directory(const std::string& directory) {

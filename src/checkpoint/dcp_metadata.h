@@ -54,6 +54,9 @@ struct DcpMetadata {
 DcpMetadata parse_dcp_metadata(const uint8_t* data, size_t size, const std::string& source);
 /// Reads `directory`/.metadata (a regular file of at most 1 GiB).
 DcpMetadata read_dcp_metadata(const std::string& directory);
+/// The name of `dtype`'s global `torch.<name>` in TensorProperties ("float32"); an error for a dtype
+/// DCP does not hold.
+std::string dcp_dtype_name(c10::ScalarType dtype);
 /// Whether `directory` holds a `.metadata` file (a DCP checkpoint).
 bool is_dcp_directory(const std::string& directory);
 

@@ -34,6 +34,21 @@ std::string join(const std::vector<std::string>& parts, size_t first) {
   return text;
 }
 
+// Reads up to `count` bytes at `offset` (fewer only where the file ends), retrying interrupted
+// reads; -1 with errno set on an error.
+int64_t read_at(int descriptor, void* buffer, size_t count, int64_t offset) {
+  size_t done = 0;
+  while (done < count) {
+    const auto got = ::pread(descriptor, static_cast<char*>(buffer) + done, count - done,
+                             static_cast<off_t>(offset + static_cast<int64_t>(done)));
+    if (got < 0 && errno == EINTR) continue;
+    if (got < 0) return -1;
+    if (got == 0) break;
+    done += static_cast<size_t>(got);
+  }
+  return static_cast<int64_t>(done);
+}
+
 // One item of a .distcp file as a zip archive, read with pread: the archive's reader never sees
 // bytes outside [offset, offset + length).
 class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
@@ -43,15 +58,8 @@ class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
   size_t read(uint64_t position, void* buffer, size_t count, const char* /*what*/) const override {
     if (position >= static_cast<uint64_t>(length_)) return 0;
     count = std::min<uint64_t>(count, static_cast<uint64_t>(length_) - position);
-    size_t done = 0;
-    while (done < count) {
-      const auto got = ::pread(descriptor_, static_cast<char*>(buffer) + done, count - done,
-                               static_cast<off_t>(offset_ + static_cast<int64_t>(position + done)));
-      if (got < 0 && errno == EINTR) continue;
-      if (got <= 0) break;
-      done += static_cast<size_t>(got);
-    }
-    return done;
+    const auto done = read_at(descriptor_, buffer, count, offset_ + static_cast<int64_t>(position));
+    return done < 0 ? 0 : static_cast<size_t>(done);
   }
 
  private:
@@ -262,7 +270,6 @@ c10::IValue DcpDirectoryReader::byte_item(const std::string& key) const {
   return load_item(found->second, key, item_name(found->second) + " (byte item '" + key + "')");
 }
 
-bool DcpDirectoryReader::has_byte_item(const std::string& key) const { return metadata_.byte_items.count(key) > 0; }
 
 at::Tensor DcpDirectoryReader::load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk_index) const {
   const auto& chunk = tensor.chunks[chunk_index];
@@ -333,16 +340,9 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
         const int64_t row_bytes = target.numel() / (last - first) * static_cast<int64_t>(target.element_size());
         const int64_t start = *offset + (first - chunk.offsets[0]) * row_bytes;
         const int64_t count = (last - first) * row_bytes;
-        const int file = descriptor(chunk.storage.relative_path);
-        auto* out = static_cast<char*>(target.data_ptr());
-        int64_t done = 0;
-        while (done < count) {
-          const auto got = ::pread(file, out + done, static_cast<size_t>(count - done), static_cast<off_t>(start + done));
-          if (got < 0 && errno == EINTR) continue;
-          TORCH_CHECK(got > 0, item_name(chunk.storage), " (chunk of '", key, "') could not be read: ",
-                      got < 0 ? std::strerror(errno) : "the file ended");
-          done += got;
-        }
+        const auto done = read_at(descriptor(chunk.storage.relative_path), target.data_ptr(), static_cast<size_t>(count), start);
+        TORCH_CHECK(done == count, item_name(chunk.storage), " (chunk of '", key, "') could not be read: ",
+                    done < 0 ? std::strerror(errno) : "the file ended");
         continue;
       }
     }
@@ -369,7 +369,6 @@ namespace fsdp::detail {
 DcpParamGroups dcp_param_groups(const DcpDirectoryReader& reader, const std::string& expected_type) {
   const auto& metadata = reader.metadata();
   auto groups = nlohmann::json::array();
-  std::vector<bool> seen;
   auto group_at = [&](size_t index) -> nlohmann::json& {
     TORCH_CHECK(index < 4096, reader.description(), ": parameter group ", index, " is past any optimizer's");
     while (groups.size() <= index) groups.push_back(nlohmann::json::object());

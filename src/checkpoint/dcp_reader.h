@@ -50,7 +50,6 @@ class DcpDirectoryReader : public TensorSource {
   /// The value of byte item `key` (flattened, "optimizer.param_groups.0.lr"), read with libtorch's
   /// unpickler (plain values only: no Python object is built).
   c10::IValue byte_item(const std::string& key) const;
-  bool has_byte_item(const std::string& key) const;
   const std::string& directory() const { return directory_; }
 
  private:

@@ -1,4 +1,5 @@
 #include "checkpoint/dcp_writer.h"
+#include "checkpoint/dcp_metadata.h"
 
 #include <fsdp/dcp.h>
 
@@ -102,7 +103,7 @@ class MetadataPickle {
     out_.new_object();
     // TensorProperties.__getstate__: (dtype, layout, requires_grad, memory format, pin_memory).
     out_.mark();
-    out_.global("torch", dtype_name(dtype));
+    out_.global("torch", dcp_dtype_name(dtype));
     out_.global("torch.serialization", "_get_layout");
     out_.mark();
     out_.string("torch.strided");
@@ -120,24 +121,6 @@ class MetadataPickle {
   }
 
   PickleWriter& out() { return out_; }
-
-  static std::string dtype_name(c10::ScalarType dtype) {
-    switch (dtype) {
-      case c10::kDouble: return "float64";
-      case c10::kFloat: return "float32";
-      case c10::kHalf: return "float16";
-      case c10::kBFloat16: return "bfloat16";
-      case c10::kLong: return "int64";
-      case c10::kInt: return "int32";
-      case c10::kShort: return "int16";
-      case c10::kChar: return "int8";
-      case c10::kByte: return "uint8";
-      case c10::kBool: return "bool";
-      case c10::kComplexFloat: return "complex64";
-      case c10::kComplexDouble: return "complex128";
-      default: TORCH_CHECK(false, "a DCP checkpoint cannot hold a tensor of dtype ", dtype, " written by fsdp.cpp");
-    }
-  }
 
  private:
   PickleWriter out_;
