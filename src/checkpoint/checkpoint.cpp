@@ -20,9 +20,11 @@
 
 #include "checkpoint/accelerate_states.h"
 #include "dist/agreement.h"
+#include "dist/control_channel.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/dcp_writer.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/save_identity.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -38,6 +40,8 @@ constexpr const char* kShardedModel = "pytorch_model_fsdp_0";
 constexpr const char* kShardedOptimizer = "optimizer_0";
 constexpr const char* kScheduler = "scheduler.bin";
 constexpr const char* kDataPosition = "dl_state_dict.bin";
+constexpr const char* kSaveIdKey = "fsdp_cpp_save_id";
+constexpr const char* kRankKey = "fsdp_cpp_rank";
 
 std::string local_model_file(int64_t rank) { return "pytorch_model_fsdp_rank" + std::to_string(rank) + ".bin"; }
 std::string random_states_file(int64_t rank) { return "random_states_" + std::to_string(rank) + ".pkl"; }
@@ -60,7 +64,8 @@ StateDictType type_from_name(const std::string& name, const std::string& marker)
   TORCH_CHECK(false, "'", marker, "' names an unknown state_dict_type '", name, "'");
 }
 
-void save_progress(const std::string& directory, const DistributedContext& context, const TrainingProgress& progress) {
+void save_progress(const std::string& directory, const DistributedContext& context, const TrainingProgress& progress,
+                   const std::string& save_id) {
   auto generator = at::detail::getDefaultCPUGenerator();
   at::Tensor generator_state;
   {
@@ -70,6 +75,9 @@ void save_progress(const std::string& directory, const DistributedContext& conte
   c10::impl::GenericDict random_states(c10::StringType::get(), c10::AnyType::get());
   random_states.insert("step", progress.step);
   random_states.insert("torch_manual_seed", generator_state);
+  // Note [save identity]: which save and rank the generator belongs to.
+  random_states.insert(kSaveIdKey, save_id);
+  random_states.insert(kRankKey, context.rank());
   save_torch_file(path_in(directory, random_states_file(context.rank())), random_states);
   if (context.rank() != 0) return;
   c10::Dict<std::string, double> scheduler;
@@ -81,7 +89,7 @@ void save_progress(const std::string& directory, const DistributedContext& conte
 }
 
 TrainingProgress load_progress(const std::string& directory, const DistributedContext& context, int64_t saved_world_size,
-                               int64_t marker_step) {
+                               int64_t marker_step, const std::string& save_id) {
   TrainingProgress progress;
   progress.step = marker_step;
   const auto scheduler = load_torch_file(path_in(directory, kScheduler));
@@ -100,6 +108,19 @@ TrainingProgress load_progress(const std::string& directory, const DistributedCo
     const auto states = load_torch_file(path);
     TORCH_CHECK(states.isGenericDict() && states.toGenericDict().contains("torch_manual_seed"), "'", path,
                 "' lacks torch_manual_seed");
+    const auto& dict = states.toGenericDict();
+    // Written before saves had identities: nothing to check.
+    if (!save_id.empty() && dict.contains(kSaveIdKey)) {
+      const auto recorded = dict.at(kSaveIdKey);
+      const auto rank = dict.contains(kRankKey) ? dict.at(kRankKey) : c10::IValue();
+      TORCH_CHECK(recorded.isString() && recorded.toStringRef() == save_id, "'", path, "' belongs to save ",
+                  recorded.isString() ? recorded.toStringRef() : recorded.tagKind(), ", but the marker records save ",
+                  save_id, ": the file was copied from another checkpoint. Put back the files of one save, or load an "
+                  "earlier checkpoint");
+      TORCH_CHECK(rank.isInt() && rank.toInt() == context.rank(), "'", path, "' holds the generator of rank ",
+                  rank.isInt() ? std::to_string(rank.toInt()) : rank.tagKind(),
+                  ", not ", context.rank(), ": random-state files were swapped or renamed. Give each its own name back");
+    }
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
     generator.set_state(states.toGenericDict().at("torch_manual_seed").toTensor());
@@ -107,12 +128,37 @@ TrainingProgress load_progress(const std::string& directory, const DistributedCo
   return progress;
 }
 
-void write_sharded_optimizer(const std::string& directory, const OptimizerStateDict& state,
-                             const DistributedContext& context, const std::string& save_id) {
+// Returns how many entries (tensors and byte items) the directory holds.
+int64_t write_sharded_optimizer(const std::string& directory, const OptimizerStateDict& state,
+                                const DistributedContext& context, const std::string& save_id) {
   std::vector<detail::DcpTensorEntry> tensors;
   std::vector<detail::DcpByteEntry> byte_items;
   detail::optimizer_dcp_entries(state, tensors, byte_items);
   detail::write_dcp_directory(directory, tensors, byte_items, context, save_id);
+  return static_cast<int64_t>(tensors.size() + byte_items.size());
+}
+
+// Note [save identity]: a SHARDED directory of a checkpoint whose marker records a save must be of
+// that save and hold as many entries as the save wrote.
+void check_directory_of_save(const TensorSource& source, const std::string& name, const nlohmann::json& marker,
+                             const std::string& marker_path) {
+  if (!marker.contains("save_id") || !marker["save_id"].is_string()) return;  // saved before identities
+  const auto save_id = marker["save_id"].get<std::string>();
+  const auto* dcp = dynamic_cast<const detail::DcpDirectoryReader*>(&source);
+  TORCH_CHECK(dcp, source.description(), " is in the rank-file format, but '", marker_path, "' records DCP save ",
+              save_id, ": the directory was replaced by one from an older checkpoint. Put back the files of one save, "
+              "or load an earlier checkpoint");
+  TORCH_CHECK(dcp->save_id() == save_id, source.description(), " belongs to save ",
+              dcp->save_id().empty() ? std::string("(none recorded)") : dcp->save_id(), ", but '", marker_path,
+              "' records save ", save_id, ": the directory was copied from another checkpoint. Put back the files of "
+              "one save, or load an earlier checkpoint");
+  if (marker.contains("entries") && marker["entries"].is_object() && marker["entries"].contains(name) &&
+      marker["entries"][name].is_number_integer()) {
+    const auto expected = marker["entries"][name].get<int64_t>();
+    const auto found = static_cast<int64_t>(dcp->metadata().keys.size());
+    TORCH_CHECK(found == expected, source.description(), " lists ", found, " entries in its .metadata, but the save wrote ",
+                expected, " (recorded in '", marker_path, "'): the .metadata is damaged. Load an earlier checkpoint");
+  }
 }
 
 // A SHARDED model or optimizer directory: DCP (what fsdp.cpp and PyTorch write) or the rank-file
@@ -239,8 +285,9 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
   on_every_rank(context, [&] { fs::create_directories(directory); });
   std::string model_file;
-  // Only rank 0 writes metadata and the marker, so only its identity is recorded.
-  const std::string save_id = main ? detail::new_dcp_save_id() : std::string();
+  // Note [save identity]: rank 0 chooses the id, and every rank's files record it.
+  const std::string save_id = detail::all_gather_strings(context, main ? detail::new_save_id() : std::string())[0];
+  nlohmann::json entries = nlohmann::json::object();
 
   switch (options.state_dict_type) {
     case StateDictType::kFullStateDict: {
@@ -263,18 +310,19 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
     case StateDictType::kShardedStateDict:
     case StateDictType::kLocalStateDict: {
       if (options.state_dict_type == StateDictType::kShardedStateDict) {
-        detail::write_dcp_directory(path_in(directory, kShardedModel),
-                                    detail::model_dcp_entries(sharded_model_state_dict(model)), {}, context, save_id);
+        const auto model_entries = detail::model_dcp_entries(sharded_model_state_dict(model));
+        detail::write_dcp_directory(path_in(directory, kShardedModel), model_entries, {}, context, save_id);
+        entries[kShardedModel] = model_entries.size();
       } else {
         const auto state = local_model_state_dict(model);
         on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
       }
-      write_sharded_optimizer(path_in(directory, kShardedOptimizer), sharded_optimizer_state_dict(model, optimizer),
-                              context, save_id);
+      entries[kShardedOptimizer] = write_sharded_optimizer(
+          path_in(directory, kShardedOptimizer), sharded_optimizer_state_dict(model, optimizer), context, save_id);
       break;
     }
   }
-  on_every_rank(context, [&] { save_progress(directory, context, progress); });
+  on_every_rank(context, [&] { save_progress(directory, context, progress, save_id); });
   // The marker is written only once every rank has written everything.
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "') finished");
   nlohmann::json marker;
@@ -284,6 +332,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
     marker["step"] = progress.step;
     marker["fsdp_cpp_version"] = version();
     marker["save_id"] = save_id;
+    if (!entries.empty()) marker["entries"] = entries;
     if (!model_file.empty()) marker["model_file"] = model_file;
   }
   on_every_rank(context, [&] {
@@ -306,6 +355,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   const bool model_from_rank0 = options.state_dict_config.rank0_only;
   const bool optimizer_from_rank0 = options.optim_state_dict_config.rank0_only;
   bool written_by_accelerate = false;
+  nlohmann::json marker = nlohmann::json::object();
+  std::string save_id;  // what the marker records (Note [save identity]), empty before identities
   std::string error;
   try {
     const auto marker_path = path_in(directory, kMarker);
@@ -328,7 +379,6 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       std::ifstream file(marker_path);
       std::stringstream text;
       text << file.rdbuf();
-      nlohmann::json marker;
       try {
         marker = nlohmann::json::parse(text.str());
       } catch (const nlohmann::json::exception& failure) {
@@ -341,6 +391,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       type = type_from_name(marker["state_dict_type"].get<std::string>(), marker_path);
       saved_world_size = marker["world_size"].get<int64_t>();
       step = marker.value("step", int64_t{0});
+      if (marker.contains("save_id") && marker["save_id"].is_string()) save_id = marker["save_id"].get<std::string>();
       TORCH_CHECK(step >= 0 && saved_world_size >= 1, "'", marker_path, "' says step ", step, " and world_size ",
                   saved_world_size, "; a checkpoint has a step of 0 or more and at least one rank. The marker is damaged: "
                   "load an earlier checkpoint");
@@ -371,6 +422,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       } else {
         if (type == StateDictType::kShardedStateDict) {
           model_reader = open_sharded_directory(path_in(directory, kShardedModel));
+          check_directory_of_save(*model_reader, kShardedModel, marker, marker_path);
         } else {
           TORCH_CHECK(saved_world_size == context.world_size(), "checkpoint directory '", directory,
                       "' holds a LOCAL_STATE_DICT saved by ", saved_world_size, " ranks; it loads only on ",
@@ -381,6 +433,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
                       local_model_file(context.rank()));
         }
         optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+        check_directory_of_save(*optimizer_reader, kShardedOptimizer, marker, marker_path);
       }
     }
   } catch (const std::exception& failure) {
@@ -422,7 +475,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         break;
     }
     progress = written_by_accelerate ? load_accelerate_progress(directory, context, saved_world_size, *optimizer_reader)
-                                     : load_progress(directory, context, saved_world_size, step);
+                                     : load_progress(directory, context, saved_world_size, step, save_id);
   });
   return progress;
 }

@@ -112,6 +112,12 @@ class Interpreter {
     if (const auto* version = fields.find("version"); version && version->kind == Kind::kString) {
       metadata.version = version->text;
     }
+    if (const auto* meta = fields.find("storage_meta"); meta && meta->kind != Kind::kNone) {
+      const auto& storage_meta = state_of(*meta, "torch.distributed.checkpoint.metadata.StorageMeta", "storage_meta");
+      if (const auto* id = storage_meta.find("save_id"); id && id->kind != Kind::kNone) {
+        metadata.save_id = string_of(*id, "storage_meta.save_id");
+      }
+    }
     const auto* storage = field(fields, "storage_data", "Metadata", Kind::kDict);
     for (size_t index = 0; index + 1 < storage->items.size(); index += 2) {
       place(metadata, *storage->items[index], *storage->items[index + 1]);

@@ -48,6 +48,9 @@ struct DcpMetadata {
   std::map<std::string, std::vector<std::string>> paths;
   /// Metadata.version ("1.0.0" in torch 2.13), empty for older writers.
   std::string version;
+  /// StorageMeta.save_id: the save's identity (Note [save identity], src/checkpoint/
+  /// save_identity.h); empty when the writer recorded none.
+  std::string save_id;
 };
 
 /// Parses `.metadata` bytes; `source` names the file in errors.

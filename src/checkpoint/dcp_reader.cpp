@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/save_identity.h"
 #include "io/restricted_unpickler.h"
 
 namespace fsdp::detail {
@@ -202,31 +203,66 @@ DcpDirectoryReader::DcpDirectoryReader(const std::string& directory, bool unwrap
   check_files();
 }
 
-void DcpDirectoryReader::check_files() const {
-  // Every file the metadata names is there, a regular file, and long enough for its items, before
-  // anything is loaded: a missing rank's file is named here, not half way through a load.
-  std::map<std::string, int64_t> sizes;
-  auto check = [&](const DcpStorage& storage, const std::string& key) {
-    if (storage.length < 0) return;  // an empty chunk without an item
-    auto found = sizes.find(storage.relative_path);
-    if (found == sizes.end()) {
-      const auto path = fs::path(directory_) / storage.relative_path;
-      std::error_code error;
-      TORCH_CHECK(fs::is_regular_file(fs::symlink_status(path, error)), "'", directory_, "' lacks '",
-                  storage.relative_path, "', which its .metadata names for '", key,
-                  "' (or it is not a regular file): the checkpoint is incomplete, or a rank's file was removed");
-      const auto size = static_cast<int64_t>(fs::file_size(path, error));
-      TORCH_CHECK(!error, "'", path.string(), "' cannot be read: ", error.message());
-      found = sizes.emplace(storage.relative_path, size).first;
-    }
-    TORCH_CHECK(storage.offset <= found->second && storage.length <= found->second - storage.offset, item_name(storage),
-                " (item '", key, "') runs past the end of the file (", found->second,
-                " bytes): the file is truncated or belongs to another save");
+void DcpDirectoryReader::check_files() {
+  // Every file the metadata names is there, a regular file, long enough for its items and (when
+  // fsdp.cpp wrote it) of this save and its rank, before anything is loaded: a missing rank's
+  // file, or one from another save, is named here, not half way through a load.
+  std::map<std::string, File> files;
+  auto open_file = [&](const DcpStorage& storage, const std::string& key) {
+    if (storage.length < 0 || files.count(storage.relative_path)) return;  // an empty chunk has no item
+    const auto path = fs::path(directory_) / storage.relative_path;
+    std::error_code error;
+    TORCH_CHECK(fs::is_regular_file(fs::symlink_status(path, error)), "'", directory_, "' lacks '",
+                storage.relative_path, "', which its .metadata names for '", key,
+                "' (or it is not a regular file): the checkpoint is incomplete, or a rank's file was removed");
+    File file;
+    file.size = static_cast<int64_t>(fs::file_size(path, error));
+    TORCH_CHECK(!error, "'", path.string(), "' cannot be read: ", error.message());
+    file.found = read_identity_footer(descriptor(storage.relative_path), file.size, path.string());
+    if (file.found) file.size -= file.found->footer_bytes;
+    files.emplace(storage.relative_path, std::move(file));
+  };
+  auto check_bounds = [&](const DcpStorage& storage, const std::string& key) {
+    if (storage.length < 0) return;
+    const auto size = files.at(storage.relative_path).size;
+    TORCH_CHECK(storage.offset <= size && storage.length <= size - storage.offset, item_name(storage), " (item '", key,
+                "') runs past the end of the file (", size, " bytes): the file is truncated or belongs to another save");
   };
   for (const auto& [key, tensor] : metadata_.tensors) {
-    for (const auto& chunk : tensor.chunks) check(chunk.storage, key);
+    for (const auto& chunk : tensor.chunks) open_file(chunk.storage, key);
   }
-  for (const auto& [key, storage] : metadata_.byte_items) check(storage, key);
+  for (const auto& [key, storage] : metadata_.byte_items) open_file(storage, key);
+  check_identities(files);
+  for (const auto& [key, tensor] : metadata_.tensors) {
+    for (const auto& chunk : tensor.chunks) check_bounds(chunk.storage, key);
+  }
+  for (const auto& [key, storage] : metadata_.byte_items) check_bounds(storage, key);
+}
+
+void DcpDirectoryReader::check_identities(const std::map<std::string, File>& files) {
+  // Note [save identity]: one file with a footer makes every file need one, of this save and rank.
+  std::string with_footer;
+  for (const auto& [name, file] : files) {
+    if (file.found) with_footer = name;
+  }
+  if (with_footer.empty()) return;
+  const auto where = [&](const std::string& name) { return "'" + (fs::path(directory_) / name).string() + "'"; };
+  const std::string remedy = ". Put back the files of one save, or load an earlier checkpoint";
+  TORCH_CHECK(!metadata_.save_id.empty(), where(with_footer), " belongs to save ", files.at(with_footer).found->identity.save_id,
+              ", but '", directory_, "/.metadata' records no save: the .metadata was replaced by one fsdp.cpp did not write",
+              remedy);
+  for (const auto& [name, file] : files) {
+    TORCH_CHECK(file.found, where(name), " carries no save identity, but ", where(with_footer),
+                " of the same directory does: it was replaced by a file another program wrote", remedy);
+    const auto& identity = file.found->identity;
+    TORCH_CHECK(identity.save_id == metadata_.save_id, where(name), " belongs to save ", identity.save_id, ", but '",
+                directory_, "/.metadata' describes save ", metadata_.save_id,
+                ": the file or the .metadata was copied from another checkpoint", remedy);
+    const auto expected = "__" + std::to_string(identity.rank) + "_0.distcp";
+    TORCH_CHECK(name == expected, where(name), " was written by rank ", identity.rank, " of ", identity.world_size,
+                " as '", expected, "': rank files were swapped or renamed. Give each file its own name back", remedy);
+  }
+  identified_ = true;
 }
 
 const DcpTensor& DcpDirectoryReader::tensor(const std::string& name) const {

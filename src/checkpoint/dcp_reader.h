@@ -20,6 +20,7 @@
 #include <fsdp/state_dict.h>
 
 #include "checkpoint/dcp_metadata.h"
+#include "checkpoint/save_identity.h"
 
 namespace fsdp::detail {
 
@@ -51,6 +52,11 @@ class DcpDirectoryReader : public TensorSource {
   /// unpickler (plain values only: no Python object is built).
   c10::IValue byte_item(const std::string& key) const;
   const std::string& directory() const { return directory_; }
+  /// The save this directory belongs to (StorageMeta.save_id), empty when none was recorded.
+  const std::string& save_id() const { return metadata_.save_id; }
+  /// Whether every file carried fsdp.cpp's save identity (checked against save_id()); false for a
+  /// directory PyTorch wrote (Note [save identity], src/checkpoint/save_identity.h).
+  bool identified() const { return identified_; }
 
  private:
   const DcpTensor& tensor(const std::string& name) const;
@@ -58,7 +64,12 @@ class DcpDirectoryReader : public TensorSource {
   std::vector<int64_t> block_sizes(const std::string& name, int64_t row_begin, int64_t row_count) const;
   /// Copies the chunks' part of rows [row_begin, row_begin + result.size(0)) into `result`.
   void fill_rows(const std::string& name, int64_t row_begin, at::Tensor& result) const;
-  void check_files() const;
+  struct File {
+    int64_t size = 0;  // bytes available to items (the footer excluded)
+    std::optional<FoundIdentity> found;
+  };
+  void check_files();
+  void check_identities(const std::map<std::string, File>& files);
   c10::IValue load_item(const DcpStorage& storage, const std::string& key, const std::string& item) const;
   std::string item_name(const DcpStorage& storage) const;
   at::Tensor load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
@@ -72,6 +83,7 @@ class DcpDirectoryReader : public TensorSource {
   std::vector<std::string> names_;
   std::map<std::string, std::string> keys_;  // name -> flattened key
   std::vector<std::string> byte_item_keys_;
+  bool identified_ = false;
   // The last chunk loaded, for reads of consecutive rows of one large chunk.
   mutable std::mutex cache_mutex_;
   mutable std::string cached_key_;

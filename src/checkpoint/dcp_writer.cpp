@@ -9,7 +9,6 @@
 #include <filesystem>
 #include <cstdio>
 #include <map>
-#include <random>
 
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
@@ -20,6 +19,7 @@
 #include "io/atomic_file.h"
 #include "io/pickle_writer.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/save_identity.h"
 
 namespace fsdp::detail {
 namespace {
@@ -128,18 +128,6 @@ class MetadataPickle {
 
 }  // namespace
 
-std::string new_dcp_save_id() {
-  std::random_device device;
-  std::mt19937_64 generator((static_cast<uint64_t>(device()) << 32) ^ device());
-  char text[40];
-  const uint64_t high = generator();
-  const uint64_t low = generator();
-  std::snprintf(text, sizeof(text), "%08llx-%04llx-%04llx-%04llx-%012llx", static_cast<unsigned long long>(high >> 32),
-                static_cast<unsigned long long>((high >> 16) & 0xffff), static_cast<unsigned long long>(high & 0xffff),
-                static_cast<unsigned long long>(low >> 48), static_cast<unsigned long long>(low & 0xffffffffffffULL));
-  return text;
-}
-
 std::string dcp_flat_key(const DcpPath& path) {
   std::string key;
   for (size_t index = 0; index < path.size(); ++index) {
@@ -157,8 +145,11 @@ std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state) {
 
 void write_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
                          const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
-                         const std::string& save_id) {
+                         const std::string& save_id_on_rank0) {
   const int64_t rank = context.rank();
+  // Every rank's file records rank 0's id (Note [save identity]).
+  const auto save_id = all_gather_strings(context, rank == 0 ? save_id_on_rank0 : std::string())[0];
+  TORCH_INTERNAL_ASSERT(!save_id.empty(), "writing DCP checkpoint '", directory, "': rank 0 gave no save id");
   const auto metadata_path = (fs::path(directory) / ".metadata").string();
   // An earlier checkpoint here stops being one before any of its files is replaced.
   run_on_every_rank(context, [&] {
@@ -215,6 +206,8 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
         item.length = position - item.offset;
         written.push_back(std::move(item));
       }
+      const auto footer = identity_footer({save_id, rank, context.world_size()});
+      sink(footer.data(), footer.size());
     });
     auto items = nlohmann::json::array();
     for (const auto& item : written) items.push_back(to_json(item));
@@ -378,7 +371,7 @@ namespace fsdp {
 
 void write_dcp_model_directory(const std::string& directory, const ShardedTensorList& tensors,
                                const DistributedContext& context) {
-  const auto save_id = context.rank() == 0 ? detail::new_dcp_save_id() : std::string();
+  const auto save_id = context.rank() == 0 ? detail::new_save_id() : std::string();
   detail::write_dcp_directory(directory, detail::model_dcp_entries(tensors), {}, context, save_id);
 }
 

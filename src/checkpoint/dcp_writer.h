@@ -26,9 +26,6 @@ struct DcpPathElement {
 };
 using DcpPath = std::vector<DcpPathElement>;
 
-/// A new save's identity (a random UUID-like text), for StorageMeta.save_id and the marker.
-std::string new_dcp_save_id();
-
 /// DCP's flattened key: the path's elements joined with ".".
 std::string dcp_flat_key(const DcpPath& path);
 
@@ -44,7 +41,8 @@ struct DcpByteEntry {
 };
 
 /// Writes the entries into `directory` (created if needed). Every rank passes the same entries in
-/// the same order with its own rows. `save_id` is recorded in the metadata's StorageMeta.
+/// the same order with its own rows. Rank 0's `save_id` is recorded in the metadata's StorageMeta
+/// and in every rank's file (Note [save identity]); the other ranks' is ignored.
 /// Collective over `context.world()`; a failure on any rank is raised on every rank.
 void write_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
                          const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,

@@ -291,6 +291,110 @@ TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
   });
 }
 
+// Note [save identity]: files of another save, or of another rank, are named errors instead of
+// loading with other numbers (issue Reliability: swapped rank files and a rank file taken from
+// another save with the same shapes resumed and merged with exit 0).
+TEST(Checkpoint, FilesOfAnotherSaveOrAnotherRankAreNamedErrors) {
+  const auto root = testing::shared_temporary_directory();
+  const auto earlier = (fs::path(root) / "earlier").string();
+  const auto directory = (fs::path(root) / "later").string();
+  testing::run_on_ranks(2, [root, earlier, directory](const DistributedContext& context) {
+    Trainer trainer(context, 17);
+    trainer.train(context, 0, 1);
+    save_checkpoint(earlier, *trainer.model, *trainer.optimizer, context, {});
+    trainer.train(context, 1, 1);
+    save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {});
+    const auto expected_weights = testing::full_parameters(*trainer.model);
+    auto load_error = [&] {
+      return testing::error_message_of([&] { load_checkpoint(directory, *trainer.model, *trainer.optimizer, context); });
+    };
+    auto in = [](const std::string& root, const std::string& name) { return (fs::path(root) / name).string(); };
+    const auto model_0 = in(directory, "pytorch_model_fsdp_0/__0_0.distcp");
+    const auto model_1 = in(directory, "pytorch_model_fsdp_0/__1_0.distcp");
+    // Each case changes the directory on rank 0, expects the error on every rank, and puts it back.
+    auto expect = [&](const std::function<void()>& change, const std::function<void()>& restore,
+                      const std::vector<std::string>& expected, bool model_files = true) {
+      barrier(context.world());
+      if (context.rank() == 0) change();
+      barrier(context.world());
+      const auto message = load_error();
+      for (const auto& part : expected) EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+      if (context.rank() == 0) {
+        // merge-weights reads the same files and refuses them the same way, writing nothing.
+        const auto merged = in(root, "merged");
+        const auto merge_message = testing::error_message_of(
+            [&] { merge_fsdp_weights(in(directory, "pytorch_model_fsdp_0"), merged); });
+        if (model_files) {
+          EXPECT_NE(merge_message.find(expected.back()), std::string::npos) << merge_message;
+          EXPECT_FALSE(fs::exists(fs::path(merged) / "model.safetensors"));
+        }
+        fs::remove_all(merged);
+      }
+      barrier(context.world());
+      if (context.rank() == 0) restore();
+      barrier(context.world());
+    };
+    auto swap = [](const std::string& a, const std::string& b) {
+      fs::rename(a, a + ".swap");
+      fs::rename(b, a);
+      fs::rename(a + ".swap", b);
+    };
+    auto keep = [](const std::string& path) { fs::copy_file(path, path + ".kept", fs::copy_options::overwrite_existing); };
+    auto put_back = [](const std::string& path) { fs::rename(path + ".kept", path); };
+
+    expect([&] { swap(model_0, model_1); }, [&] { swap(model_0, model_1); },
+           {"pytorch_model_fsdp_0/__0_0.distcp' was written by rank 1 of 2 as '__1_0.distcp': rank files were swapped"});
+    expect(
+        [&] {
+          keep(model_1);
+          fs::copy_file(in(earlier, "pytorch_model_fsdp_0/__1_0.distcp"), model_1, fs::copy_options::overwrite_existing);
+        },
+        [&] { put_back(model_1); }, {"__1_0.distcp' belongs to save ", "copied from another checkpoint"});
+    const auto optimizer_metadata = in(directory, "optimizer_0/.metadata");
+    expect(
+        [&] {
+          keep(optimizer_metadata);
+          fs::copy_file(in(earlier, "optimizer_0/.metadata"), optimizer_metadata, fs::copy_options::overwrite_existing);
+        },
+        [&] { put_back(optimizer_metadata); }, {"optimizer_0/.metadata' describes save ", "copied from another checkpoint"},
+        false);
+    expect(
+        [&] {
+          fs::rename(in(directory, "optimizer_0"), in(directory, "optimizer_0.kept"));
+          fs::copy(in(earlier, "optimizer_0"), in(directory, "optimizer_0"));
+        },
+        [&] {
+          fs::remove_all(in(directory, "optimizer_0"));
+          fs::rename(in(directory, "optimizer_0.kept"), in(directory, "optimizer_0"));
+        },
+        {"optimizer_0' belongs to save ", "checkpoint_complete.json' records save ",
+         "the directory was copied from another checkpoint"},
+        false);
+    // A file without the footer (as PyTorch writes them) among fsdp.cpp's.
+    expect(
+        [&] {
+          keep(model_1);
+          std::ifstream file(model_1, std::ios::binary);
+          std::string bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+          const auto footer = bytes.rfind('{');
+          ASSERT_NE(footer, std::string::npos);
+          std::ofstream(model_1, std::ios::binary | std::ios::trunc) << bytes.substr(0, footer);
+        },
+        [&] { put_back(model_1); }, {"__1_0.distcp' carries no save identity, but"});
+    const auto states_0 = in(directory, "random_states_0.pkl");
+    const auto states_1 = in(directory, "random_states_1.pkl");
+    expect([&] { swap(states_0, states_1); }, [&] { swap(states_0, states_1); },
+           {"random-state files were swapped or renamed"}, false);
+
+    // Put back, the checkpoint loads again and holds the later weights.
+    Trainer fresh(context, 99);
+    load_checkpoint(directory, *fresh.model, *fresh.optimizer, context);
+    const auto loaded = testing::full_parameters(*fresh.model);
+    ASSERT_EQ(loaded.size(), expected_weights.size());
+    for (const auto& [name, tensor] : expected_weights) EXPECT_TRUE(torch::equal(loaded.at(name), tensor)) << name;
+  });
+}
+
 TEST(Checkpoint, ARankThatDoesNotSaveIsReportedNotAHang) {
   const auto directory = testing::shared_temporary_directory();
   testing::MultiRankOptions options;

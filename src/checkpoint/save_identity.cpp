@@ -1,0 +1,90 @@
+#include "checkpoint/save_identity.h"
+
+#include <c10/util/Exception.h>
+#include <nlohmann/json.hpp>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstdio>
+#include <cstring>
+#include <random>
+
+namespace fsdp::detail {
+namespace {
+
+constexpr char kMagic[] = "fsdp.id1";
+constexpr int64_t kMagicBytes = 8;
+constexpr int64_t kLengthBytes = 8;
+// An identity is under 200 bytes; anything longer is not one of ours.
+constexpr int64_t kMaxIdentityBytes = 4096;
+
+bool read_exactly(int descriptor, void* buffer, int64_t count, int64_t offset) {
+  int64_t done = 0;
+  while (done < count) {
+    const auto got = ::pread(descriptor, static_cast<char*>(buffer) + done, static_cast<size_t>(count - done),
+                             static_cast<off_t>(offset + done));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    done += got;
+  }
+  return true;
+}
+
+}  // namespace
+
+std::string new_save_id() {
+  std::random_device device;
+  std::mt19937_64 generator((static_cast<uint64_t>(device()) << 32) ^ device());
+  char text[40];
+  const uint64_t high = generator();
+  const uint64_t low = generator();
+  std::snprintf(text, sizeof(text), "%08llx-%04llx-%04llx-%04llx-%012llx", static_cast<unsigned long long>(high >> 32),
+                static_cast<unsigned long long>((high >> 16) & 0xffff), static_cast<unsigned long long>(high & 0xffff),
+                static_cast<unsigned long long>(low >> 48), static_cast<unsigned long long>(low & 0xffffffffffffULL));
+  return text;
+}
+
+std::string identity_footer(const FileIdentity& identity) {
+  const std::string json =
+      nlohmann::json{{"save_id", identity.save_id}, {"rank", identity.rank}, {"world_size", identity.world_size}}.dump();
+  std::string footer = json;
+  uint64_t length = json.size();
+  for (int byte = 0; byte < kLengthBytes; ++byte) footer.push_back(static_cast<char>((length >> (8 * byte)) & 0xff));
+  footer.append(kMagic, kMagicBytes);
+  return footer;
+}
+
+std::optional<FoundIdentity> read_identity_footer(int descriptor, int64_t size, const std::string& path) {
+  if (size < kMagicBytes + kLengthBytes) return std::nullopt;
+  unsigned char tail[kMagicBytes + kLengthBytes];
+  TORCH_CHECK(read_exactly(descriptor, tail, sizeof(tail), size - static_cast<int64_t>(sizeof(tail))), "'", path,
+              "' could not be read: ", std::strerror(errno));
+  if (std::memcmp(tail + kLengthBytes, kMagic, kMagicBytes) != 0) return std::nullopt;
+  uint64_t length = 0;
+  for (int byte = 0; byte < kLengthBytes; ++byte) length |= static_cast<uint64_t>(tail[byte]) << (8 * byte);
+  const std::string damaged = "'" + path + "' ends with fsdp.cpp's save identity footer, but it is damaged: ";
+  TORCH_CHECK(length > 0 && length <= static_cast<uint64_t>(kMaxIdentityBytes) &&
+                  static_cast<int64_t>(length) <= size - kMagicBytes - kLengthBytes,
+              damaged, "it gives a length of ", length, " bytes. Restore the file, or load an earlier checkpoint");
+  std::string json(length, '\0');
+  TORCH_CHECK(read_exactly(descriptor, json.data(), static_cast<int64_t>(length),
+                           size - kMagicBytes - kLengthBytes - static_cast<int64_t>(length)),
+              "'", path, "' could not be read: ", std::strerror(errno));
+  FoundIdentity found;
+  found.footer_bytes = kMagicBytes + kLengthBytes + static_cast<int64_t>(length);
+  nlohmann::json value = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
+  TORCH_CHECK(value.is_object() && value.contains("save_id") && value["save_id"].is_string() && value.contains("rank") &&
+                  value["rank"].is_number_integer() && value.contains("world_size") &&
+                  value["world_size"].is_number_integer(),
+              damaged, "expected JSON with save_id (a string), rank and world_size (integers), found '", json,
+              "'. Restore the file, or load an earlier checkpoint");
+  found.identity.save_id = value["save_id"].get<std::string>();
+  found.identity.rank = value["rank"].get<int64_t>();
+  found.identity.world_size = value["world_size"].get<int64_t>();
+  TORCH_CHECK(found.identity.rank >= 0 && found.identity.world_size > found.identity.rank, damaged, "rank ",
+              found.identity.rank, " of world size ", found.identity.world_size,
+              ". Restore the file, or load an earlier checkpoint");
+  return found;
+}
+
+}  // namespace fsdp::detail
