@@ -2,6 +2,8 @@
 // the merged weights in one process; the same run on 1 and 3 ranks.
 #include <gtest/gtest.h>
 
+#include <regex>
+
 #include <nlohmann/json.hpp>
 
 #include "harness/python_peer.h"
@@ -174,6 +176,31 @@ TEST_F(TrainLlama, RanksStartedWithOtherFlagsOrDataAreANamedError) {
   EXPECT_NE(result.output.find("'training text' is"), std::string::npos) << result.output;
   EXPECT_NE(result.output.find("Start every rank with the same flags"), std::string::npos) << result.output;
   EXPECT_EQ(result.output.find("EnforceNotMet"), std::string::npos) << result.output;
+}
+
+// A NaN or infinite loss or gradient norm stops the run before the optimizer step, naming the step
+// (it used to train on to the end with NaN weights and exit 0, issue Reliability);
+// --skip-nonfinite-steps skips such steps instead. An absurd learning rate gets there in two steps.
+TEST_F(TrainLlama, ANonFiniteLossStopsTheRunNamingTheStep) {
+  const auto directory = (root_ / "nan").string();
+  auto result = run_command(train_command(2, directory, "--lr 1e30 --checkpoint-every 1"));
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  const std::regex stopped("step ([0-9]+): the training loss is [^ ]+ and the gradient norm [^ ;]+; training stopped "
+                           "before this optimizer step, so the weights are those of step ([0-9]+)");
+  std::smatch match;
+  ASSERT_TRUE(std::regex_search(result.output, match, stopped)) << result.output;
+  const int step = std::stoi(match[1].str());
+  EXPECT_EQ(std::stoi(match[2].str()), step - 1);
+  EXPECT_NE(result.output.find("--skip-nonfinite-steps"), std::string::npos) << result.output;
+  // The checkpoints before it are complete; none is written for the failed step.
+  EXPECT_TRUE(fs::exists(fs::path(directory) / "checkpoints" / ("checkpoint_" + std::to_string(step - 2)) /
+                         "checkpoint_complete.json"));
+  EXPECT_FALSE(fs::exists(fs::path(directory) / "checkpoints" / ("checkpoint_" + std::to_string(step - 1))));
+
+  result = run_command(train_command(2, (root_ / "skip").string(), "--lr 1e30 --skip-nonfinite-steps"));
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("the optimizer step is skipped (--skip-nonfinite-steps)"), std::string::npos)
+      << result.output;
 }
 
 TEST_F(TrainLlama, BadFlagsAreErrors) {

@@ -58,6 +58,7 @@ struct Settings {
   bool eval_only = false;
   int64_t stop_after = 0;
   int64_t sample_bytes = 300;
+  bool skip_nonfinite_steps = false;
 };
 
 std::string read_text(const std::string& path) {
@@ -109,7 +110,8 @@ std::vector<std::pair<std::string, std::string>> run_fields(const Settings& sett
           {"--resume-from", settings.resume_from},
           {"--init-from", settings.init_from},
           {"--stop-after", std::to_string(settings.stop_after)},
-          {"--sample-bytes", std::to_string(settings.sample_bytes)}};
+          {"--sample-bytes", std::to_string(settings.sample_bytes)},
+          {"--skip-nonfinite-steps", settings.skip_nonfinite_steps ? "true" : "false"}};
 }
 
 /// A text's size and FNV-1a hash: ranks that read different files differ here.
@@ -395,9 +397,23 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
       loss_sum += loss.item<double>();
     }
     const double grad_norm = accelerator.clip_grad_norm_(settings.max_grad_norm);
-    optimizer.step();
-    optimizer.zero_grad();
+    // Every rank sees the same reduced loss and norm, so every rank takes the same branch.
     const double loss = accelerator.reduce(torch::tensor(loss_sum / accumulation, torch::kDouble)).item<double>();
+    if (!std::isfinite(loss) || !std::isfinite(grad_norm)) {
+      // A step on a NaN or infinite gradient would make every weight NaN; stop before it, so the
+      // weights (and the last checkpoint) are those of the previous step.
+      const auto what = "step " + std::to_string(step) + ": the training loss is " + c10::str(loss) +
+                        " and the gradient norm " + c10::str(grad_norm);
+      TORCH_CHECK(settings.skip_nonfinite_steps, what,
+                  "; training stopped before this optimizer step, so the weights are those of step ", step - 1,
+                  ". Lower --lr (now ", settings.lr, "), resume from the last checkpoint, or pass "
+                  "--skip-nonfinite-steps to skip such steps");
+      accelerator.print("train_llama: warning: " + what + "; the optimizer step is skipped (--skip-nonfinite-steps)");
+      optimizer.zero_grad();
+    } else {
+      optimizer.step();
+      optimizer.zero_grad();
+    }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
 
     train_llama::StepMetrics record;
@@ -487,6 +503,8 @@ int main(int argc, char** argv) {
   app.add_flag("--eval-only", settings.eval_only,
                "Print eval_loss=<float> for --init-from on the first --eval-tokens bytes of --data, and exit");
   app.add_option("--stop-after", settings.stop_after, "Save a checkpoint and stop after this step (to resume later)")->check(non_negative_value());
+  app.add_flag("--skip-nonfinite-steps", settings.skip_nonfinite_steps,
+               "Skip an optimizer step whose loss or gradient norm is NaN or infinite, instead of stopping with an error");
   app.add_option("--sample-bytes", settings.sample_bytes, "Bytes of text to sample at the end")->check(non_negative_value())->capture_default_str();
   try {
     app.parse(argc, argv);
