@@ -172,7 +172,14 @@ void ShardedDirectoryReader::open() {
     }
     const auto name = item["name"].get<std::string>();
     Entry entry;
+    if (!item["dtype"].is_string()) fail("tensor '" + name + "' has dtype " + item["dtype"].dump() + ", not a string");
     entry.dtype = item["dtype"].get<std::string>();
+    try {
+      (void)safetensors_scalar_type(entry.dtype);
+    } catch (const c10::Error&) {
+      fail("tensor '" + name + "' has dtype '" + entry.dtype +
+           "', which is not a dtype fsdp.cpp writes (F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, ...)");
+    }
     entry.shape = item["shape"].get<std::vector<int64_t>>();
     TORCH_CHECK(entry.shape.size() <= 64, "'", metadata_path.string(), "': tensor '", name, "' has ", entry.shape.size(),
                 " dimensions");
@@ -210,8 +217,9 @@ void ShardedDirectoryReader::open() {
       auto expected_shape = entry.shape;
       if (!expected_shape.empty()) expected_shape[0] = chunk.rows;
       TORCH_CHECK(info->shape == expected_shape && info->dtype == entry.dtype, "'", chunk.file, "' in '", directory,
-                  "' holds '", name, "' as ", info->dtype, " of another shape than ", kShardedMetadataFile,
-                  " says; the directory mixes files of different saves");
+                  "' holds '", name, "' as ", info->dtype, " ", c10::str(c10::IntArrayRef(info->shape)), " but ",
+                  kShardedMetadataFile, " says ", entry.dtype, " ", c10::str(c10::IntArrayRef(expected_shape)),
+                  " for its rows there; the directory mixes files of different saves");
     }
     if (covered != rows_of(entry.shape)) {
       fail("tensor '" + name + "' covers " + std::to_string(covered) + " of its " +

@@ -345,6 +345,33 @@ TEST(Merge, MetadataThatDoesNotListEveryTensorOfTheRankFilesIsRefusedAndNothingI
   EXPECT_EQ(merge_fsdp_weights(model_dir, root + "/out").tensors, static_cast<int64_t>(original["tensors"].size()));
 }
 
+// A dtype no writer produces in metadata.json used to be reported as the rank file holding "F32 of
+// another shape" (issue Reliability); it is named as the dtype it is, and a real mismatch names both.
+TEST(Merge, AnUnknownDtypeInTheMetadataIsNamedAsSuch) {
+  const auto root = testing::shared_temporary_directory();
+  save_sharded_checkpoint(root, 2, Layout::kRankFiles);
+  if (testing::is_rank_process()) return;
+  const auto model_dir = root + "/checkpoint/pytorch_model_fsdp_0";
+  const auto metadata_path = model_dir + "/metadata.json";
+  nlohmann::json original;
+  std::ifstream(metadata_path) >> original;
+  auto changed = original;
+  const auto name = changed["tensors"][0]["name"].get<std::string>();
+  changed["tensors"][0]["dtype"] = "Q4";
+  std::ofstream(metadata_path) << changed.dump();
+  auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out"); });
+  EXPECT_NE(message.find("tensor '" + name + "' has dtype 'Q4', which is not a dtype fsdp.cpp writes"), std::string::npos)
+      << message;
+  EXPECT_EQ(message.find("of another shape"), std::string::npos) << message;
+  changed["tensors"][0]["dtype"] = "F16";
+  std::ofstream(metadata_path) << changed.dump();
+  message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out"); });
+  EXPECT_NE(message.find("holds '" + name + "' as F32 ["), std::string::npos) << message;
+  EXPECT_NE(message.find("but metadata.json says F16 ["), std::string::npos) << message;
+  std::ofstream(metadata_path) << original.dump();
+  EXPECT_EQ(merge_fsdp_weights(model_dir, root + "/out").tensors, static_cast<int64_t>(original["tensors"].size()));
+}
+
 // A FIFO in place of a rank file or a config file used to block the reader forever (issue
 // Reliability): only regular files are read.
 TEST(Merge, AFifoInPlaceOfAFileIsAnErrorNotAHang) {
