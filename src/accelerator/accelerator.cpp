@@ -112,6 +112,8 @@ void Accelerator::agree_on_preparation(torch::nn::Module& model, torch::optim::O
   std::vector<std::pair<std::string, std::string>> fields;
   const auto plugin = nlohmann::json::parse(plugin_.to_json());
   for (const auto& [name, entry] : plugin.items()) {
+    // Derived from the fields themselves: listing it would only repeat their difference, first.
+    if (name == "differences_from_accelerate") continue;
     fields.emplace_back(name, entry.is_object() && entry.contains("value") ? entry["value"].dump() : entry.dump());
   }
   fields.emplace_back("mixed_precision", mixed_precision_);

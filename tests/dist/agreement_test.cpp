@@ -53,6 +53,24 @@ TEST(Agreement, PrepareWithAnotherEnvironmentOnOneRankIsANamedError) {
   });
 }
 
+// Another FSDP_VERSION on one rank (it used to abort in Gloo, and rank 0 printed an empty
+// "train_llama: error: ") names the version first, not the fields derived from it.
+TEST(Agreement, AnotherFsdpVersionOnOneRankNamesTheVersionFirst) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(1);
+    testing::MlpStack model;
+    torch::optim::AdamW optimizer(model->parameters());
+    EnvironmentMap environment;
+    if (context.rank() == 1) environment["FSDP_VERSION"] = "2";
+    Accelerator accelerator(context, AcceleratorOptions{}, environment);
+    const auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+    EXPECT_NE(message.find("Accelerator::prepare: the ranks disagree: 'fsdp_version' is 1 on rank 0 and 2 on rank 1"),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find("differences_from_accelerate"), std::string::npos) << message;
+  });
+}
+
 // What differs legitimately is not compared: a model sharded before prepare holds shards of other
 // sizes on each rank (5 rows over 3 ranks: 2, 2, 1).
 TEST(Agreement, PrepareOfAModelShardedBeforehandAgrees) {
