@@ -12,8 +12,15 @@
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
+#include <netdb.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdlib>
+#include <cstring>
+#include <optional>
 #include <mutex>
 #include <sstream>
 
@@ -57,6 +64,41 @@ std::shared_ptr<::gloo::transport::Device> create_device(const DistributedEnviro
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
+// The store rank 0 hosts for the rendezvous has no authentication: it listens only where the
+// others connect, MASTER_ADDR's own address (loopback for one machine), not on every interface as
+// c10d's TCPStore does by itself. A listening socket is returned for TCPStoreOptions::masterListenFd
+// (the store owns it from then on); nullopt, with the reason in `why`, where MASTER_ADDR is not an
+// address of this machine.
+std::optional<int> listen_on_master_address(const DistributedEnvironment& environment, std::string& why) {
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_NUMERICSERV;
+  addrinfo* found = nullptr;
+  const auto port = std::to_string(environment.master_port);
+  const int resolved = ::getaddrinfo(environment.master_addr.c_str(), port.c_str(), &hints, &found);
+  if (resolved != 0) {
+    why = std::string("it does not resolve: ") + ::gai_strerror(resolved);
+    return std::nullopt;
+  }
+  std::optional<int> result;
+  for (auto* candidate = found; candidate && !result; candidate = candidate->ai_next) {
+    const int descriptor = ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
+    if (descriptor < 0) continue;
+    const int yes = 1;
+    ::setsockopt(descriptor, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
+    if (::bind(descriptor, candidate->ai_addr, candidate->ai_addrlen) == 0 &&
+        ::listen(descriptor, static_cast<int>(std::min<int64_t>(environment.world_size + 16, SOMAXCONN))) == 0) {
+      result = descriptor;
+    } else {
+      why = std::string("binding it failed: ") + std::strerror(errno);
+      ::close(descriptor);
+    }
+  }
+  ::freeaddrinfo(found);
+  return result;
+}
+
 }  // namespace
 
 std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironment& environment) {
@@ -68,6 +110,16 @@ std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironm
   options.waitWorkers = true;
   options.timeout = environment.timeout;
   const double timeout_seconds = environment.timeout.count() / 1000.0;
+  if (options.isServer) {
+    std::string why;
+    options.masterListenFd = listen_on_master_address(environment, why);
+    // A port already taken is reported by TCPStore below, as before.
+    if (!options.masterListenFd && why.find(std::strerror(EADDRINUSE)) == std::string::npos) {
+      TORCH_WARN("[rank 0] rendezvous: the store cannot listen on MASTER_ADDR=", environment.master_addr, " (", why,
+                 "), so it listens on every interface. The store has no authentication: keep MASTER_PORT on a "
+                 "trusted network, or set MASTER_ADDR to an address of this machine");
+    }
+  }
   try {
     backend->store = c10::make_intrusive<c10d::TCPStore>(environment.master_addr, options);
   } catch (const std::exception& error) {

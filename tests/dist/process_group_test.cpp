@@ -12,7 +12,10 @@
 
 #include "harness/error_message.h"
 
+#include <cstdio>
 #include <cstdlib>
+#include <fstream>
+#include <sstream>
 
 namespace fsdp {
 namespace {
@@ -119,6 +122,41 @@ TEST(DistributedContext, RanksThatDisagreeOnTheLayoutAreNamed) {
             << message;
       },
       options);
+}
+
+// The listening sockets on `port` in /proc/net/tcp and tcp6, as "address:port" in the kernel's hex.
+std::vector<std::string> listeners_on(int port) {
+  std::vector<std::string> found;
+  char wanted[8];
+  std::snprintf(wanted, sizeof(wanted), "%04X", port);
+  for (const char* table : {"/proc/net/tcp", "/proc/net/tcp6"}) {
+    std::ifstream file(table);
+    std::string line;
+    std::getline(file, line);  // header
+    while (std::getline(file, line)) {
+      std::istringstream fields(line);
+      std::string slot, local, remote, state;
+      fields >> slot >> local >> remote >> state;
+      const auto colon = local.rfind(':');
+      if (state == "0A" && colon != std::string::npos && local.substr(colon + 1) == wanted) found.push_back(local);
+    }
+  }
+  return found;
+}
+
+// c10d's TCPStore listens on every interface (`::`); rank 0's store listens only on MASTER_ADDR
+// (issue Reliability: it bound `::` with MASTER_ADDR=127.0.0.1 on one machine).
+TEST(DistributedContext, TheStoreListensOnlyOnTheMasterAddress) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    const int port = std::atoi(std::getenv("MASTER_PORT"));
+    if (context.rank() == 0) {
+      const auto listeners = listeners_on(port);
+      ASSERT_EQ(listeners.size(), 1u) << "listening sockets on port " << port << ": " << ::testing::PrintToString(listeners);
+      EXPECT_EQ(listeners[0], "0100007F:" + listeners[0].substr(listeners[0].rfind(':') + 1))
+          << "the store listens on " << listeners[0] << ", not 127.0.0.1";
+    }
+    barrier(context.world());
+  });
 }
 
 TEST(DistributedContext, DeadPeerIsAnErrorNotAHang) {
