@@ -12,6 +12,7 @@
 
 #include <cerrno>
 #include <cstring>
+#include <csignal>
 #include <sstream>
 
 namespace fsdp::detail {
@@ -97,8 +98,19 @@ LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
   std::ostringstream message;
   if (outcome.first_failure) {
     message << specs[*outcome.first_failure].label << " (local rank " << *outcome.first_failure
-            << ") failed with exit code " << outcome.exit_code << "; stopped the other " << (specs.size() - 1)
-            << " local process(es).";
+            << ") failed first, with exit code " << outcome.exit_code << "; stopped the other " << (specs.size() - 1)
+            << " local process(es)";
+    // The ones that failed after it, most likely because it did.
+    std::string following;
+    for (const auto index : outcome.failure_order) {
+      const auto& other = outcome.outcomes[index];
+      const bool stopped = other.stopped_by_parent && (other.exit_code == 128 + SIGTERM || other.exit_code == 128 + SIGKILL);
+      if (index == *outcome.first_failure || stopped) continue;
+      following += (following.empty() ? "" : ", ") + specs[index].label + " with exit code " +
+                   std::to_string(outcome.outcomes[index].exit_code);
+    }
+    if (!following.empty()) message << "; after it failed " << following;
+    message << ".";
   } else if (outcome.interrupted) {
     message << "interrupted (exit code " << outcome.exit_code << "); stopped all " << specs.size()
             << " local process(es).";

@@ -50,6 +50,66 @@ class SignalForwarding {
   struct sigaction previous_terminate_ {};
 };
 
+// Which child failed first: a rank that dies because another did (its connection closed) exits
+// milliseconds later, so the wait loop must learn of each exit at once, not on its next poll, when
+// both would look simultaneous and the lower index would be named. A SIGCHLD handler writes a byte
+// to a pipe the loop polls (the self-pipe trick); where a handler is already installed by another
+// run, the loop falls back to polling every 20 ms.
+std::atomic<int> child_exit_pipe_write{-1};
+
+void note_child_exit(int) {
+  const int saved = errno;
+  const int descriptor = child_exit_pipe_write.load();
+  if (descriptor >= 0) {
+    const char byte = 0;
+    ssize_t ignored = ::write(descriptor, &byte, 1);
+    (void)ignored;
+  }
+  errno = saved;
+}
+
+class ChildExitWakeup {
+ public:
+  ChildExitWakeup() {
+    int descriptors[2];
+    if (::pipe2(descriptors, O_CLOEXEC | O_NONBLOCK) != 0) return;
+    int expected = -1;
+    if (!child_exit_pipe_write.compare_exchange_strong(expected, descriptors[1])) {
+      ::close(descriptors[0]);
+      ::close(descriptors[1]);
+      return;
+    }
+    read_ = descriptors[0];
+    write_ = descriptors[1];
+    struct sigaction action {};
+    action.sa_handler = note_child_exit;
+    sigemptyset(&action.sa_mask);
+    action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
+    ::sigaction(SIGCHLD, &action, &previous_);
+  }
+  ~ChildExitWakeup() {
+    if (read_ < 0) return;
+    ::sigaction(SIGCHLD, &previous_, nullptr);
+    child_exit_pipe_write.store(-1);
+    ::close(read_);
+    ::close(write_);
+  }
+  ChildExitWakeup(const ChildExitWakeup&) = delete;
+  ChildExitWakeup& operator=(const ChildExitWakeup&) = delete;
+  /// The descriptor that becomes readable when a child exits; -1 without the handler.
+  int descriptor() const { return read_; }
+  void drain() const {
+    char buffer[256];
+    while (::read(read_, buffer, sizeof(buffer)) > 0) {
+    }
+  }
+
+ private:
+  int read_ = -1;
+  int write_ = -1;
+  struct sigaction previous_ {};
+};
+
 struct RelayedStream {
   int fd = -1;
   int destination = STDOUT_FILENO;
@@ -212,6 +272,7 @@ std::string resolve_program(const std::string& program, const EnvironmentMap& en
 ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const ProcessSetOptions& options) {
   using Clock = std::chrono::steady_clock;
   SignalForwarding forwarding(options.forward_signals);
+  ChildExitWakeup wakeup;  // before the children exist, so no exit goes unnoticed
   ProcessSetResult result;
   result.outcomes.resize(specs.size());
   std::vector<Child> children;
@@ -249,9 +310,15 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
         owners.emplace_back(index, stream);
       }
     }
+    const size_t stream_count = descriptors.size();
+    if (wakeup.descriptor() >= 0) descriptors.push_back({wakeup.descriptor(), POLLIN, 0});
     int ready = ::poll(descriptors.data(), descriptors.size(), 20);
+    if (wakeup.descriptor() >= 0) {
+      if (descriptors.back().revents != 0) wakeup.drain();
+      descriptors.pop_back();
+    }
     if (ready > 0) {
-      for (size_t position = descriptors.size(); position-- > 0;) {
+      for (size_t position = stream_count; position-- > 0;) {
         if (descriptors[position].revents == 0) continue;
         auto [index, stream_index] = owners[position];
         auto& child = children[index];
@@ -277,6 +344,7 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
       if (reaped != child.pid) continue;
       child.running = false;
       result.outcomes[index].exit_code = shell_status(status);
+      if (result.outcomes[index].exit_code != 0) result.failure_order.push_back(index);
       if (result.outcomes[index].exit_code != 0 && !result.first_failure && !kill_deadline) {
         result.first_failure = index;
         result.exit_code = result.outcomes[index].exit_code;

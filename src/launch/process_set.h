@@ -58,6 +58,10 @@ struct ProcessSetResult {
   int exit_code = 0;
   /// Index of the first child that failed, if one did.
   std::optional<size_t> first_failure;
+  /// Every child that exited non-zero, in the order their exits were seen (first_failure first
+  /// when it is set): each exit is seen within microseconds, so a rank that failed because another
+  /// did comes after it.
+  std::vector<size_t> failure_order;
   bool timed_out = false;
   bool interrupted = false;
   std::vector<ProcessOutcome> outcomes;
