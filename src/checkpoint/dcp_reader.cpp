@@ -232,14 +232,17 @@ void DcpDirectoryReader::check_files() {
     for (const auto& chunk : tensor.chunks) open_file(chunk.storage, key);
   }
   for (const auto& [key, storage] : metadata_.byte_items) open_file(storage, key);
-  check_identities(files);
+  // Files of another save or rank first (the clearest message), then items past a file's end (a
+  // truncated file has lost its footer too), then files without the footer the others have.
+  check_identities(files, /*require_footer=*/false);
   for (const auto& [key, tensor] : metadata_.tensors) {
     for (const auto& chunk : tensor.chunks) check_bounds(chunk.storage, key);
   }
   for (const auto& [key, storage] : metadata_.byte_items) check_bounds(storage, key);
+  check_identities(files, /*require_footer=*/true);
 }
 
-void DcpDirectoryReader::check_identities(const std::map<std::string, File>& files) {
+void DcpDirectoryReader::check_identities(const std::map<std::string, File>& files, bool require_footer) {
   // Note [save identity]: one file with a footer makes every file need one, of this save and rank.
   std::string with_footer;
   for (const auto& [name, file] : files) {
@@ -252,6 +255,7 @@ void DcpDirectoryReader::check_identities(const std::map<std::string, File>& fil
               ", but '", directory_, "/.metadata' records no save: the .metadata was replaced by one fsdp.cpp did not write",
               remedy);
   for (const auto& [name, file] : files) {
+    if (!file.found && !require_footer) continue;
     TORCH_CHECK(file.found, where(name), " carries no save identity, but ", where(with_footer),
                 " of the same directory does: it was replaced by a file another program wrote", remedy);
     const auto& identity = file.found->identity;
@@ -262,7 +266,7 @@ void DcpDirectoryReader::check_identities(const std::map<std::string, File>& fil
     TORCH_CHECK(name == expected, where(name), " was written by rank ", identity.rank, " of ", identity.world_size,
                 " as '", expected, "': rank files were swapped or renamed. Give each file its own name back", remedy);
   }
-  identified_ = true;
+  identified_ = require_footer;
 }
 
 const DcpTensor& DcpDirectoryReader::tensor(const std::string& name) const {

@@ -261,6 +261,96 @@ std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupStat
   return works;
 }
 
+// Note [Collective frames]: before a collective moves data, every member sends every other one a
+// frame of fixed size saying what it is about to do (the operation, element count, dtype, root and
+// what it is for), and checks the frames it receives against its own. Ranks whose programs diverged
+// (another model, another unit, one more step) then get an error on every rank naming what each
+// issued, instead of Gloo aborting the process on a message longer than the receive it matched
+// ("op.preamble.length <= op.nbytes") or, worse, two units of the same size exchanging each other's
+// bytes. A frame is one small message per peer on the point-to-point path; the data follows on
+// the next exchange slot. This is what PyTorch does only under TORCH_DISTRIBUTED_DEBUG=DETAIL.
+enum class FrameKind : int64_t { kAllGather = 1, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
+
+const char* frame_kind_name(int64_t kind) {
+  switch (static_cast<FrameKind>(kind)) {
+    case FrameKind::kAllGather: return "all_gather";
+    case FrameKind::kReduceScatter: return "reduce_scatter";
+    case FrameKind::kAllReduce: return "all_reduce";
+    case FrameKind::kBroadcast: return "broadcast";
+    case FrameKind::kBarrier: return "barrier";
+  }
+  return "an unknown operation";
+}
+
+constexpr int64_t kFrameBytes = 256;
+constexpr int64_t kFrameWords = 6;  // magic, kind, numel, dtype, root or op, reserved
+constexpr int64_t kFrameMagic = 0x66736470'6672616dLL;  // "fsdpfram"
+constexpr int64_t kFrameTextBytes = kFrameBytes - kFrameWords * 8;
+
+struct Frame {
+  int64_t kind = 0;
+  int64_t numel = 0;
+  int64_t dtype = 0;
+  int64_t detail = 0;  // the root of a broadcast, the reduce op of a reduction
+  std::string activity;  // what the collective is for (src/dist/activity.h), cut to fit the frame
+
+  bool same_operation(const Frame& other) const {
+    return kind == other.kind && numel == other.numel && dtype == other.dtype && detail == other.detail &&
+           activity == other.activity;
+  }
+  std::string text() const {
+    std::ostringstream out;
+    out << frame_kind_name(kind) << " of " << numel << " x " << static_cast<at::ScalarType>(dtype);
+    if (kind == static_cast<int64_t>(FrameKind::kBroadcast)) out << " from root " << detail;
+    if (!activity.empty()) out << " (for " << activity << ")";
+    return out.str();
+  }
+};
+
+void encode_frame(const Frame& frame, uint8_t* bytes) {
+  std::memset(bytes, 0, kFrameBytes);
+  const int64_t words[kFrameWords] = {kFrameMagic, frame.kind, frame.numel, frame.dtype, frame.detail, 0};
+  std::memcpy(bytes, words, sizeof(words));
+  std::memcpy(bytes + sizeof(words), frame.activity.data(),
+              std::min<size_t>(frame.activity.size(), static_cast<size_t>(kFrameTextBytes)));
+}
+
+std::optional<Frame> decode_frame(const uint8_t* bytes) {
+  int64_t words[kFrameWords];
+  std::memcpy(words, bytes, sizeof(words));
+  if (words[0] != kFrameMagic) return std::nullopt;
+  Frame frame{words[1], words[2], words[3], words[4], {}};
+  const auto* text = reinterpret_cast<const char*>(bytes + sizeof(words));
+  frame.activity.assign(text, strnlen(text, static_cast<size_t>(kFrameTextBytes)));
+  return frame;
+}
+
+// Note [Collective frames]: returns once every member has said it issues the same collective.
+void check_frames(ProcessGroupState& group, FrameKind kind, const at::Tensor& tensor, int64_t detail,
+                  const std::string& description) {
+  Frame own{static_cast<int64_t>(kind), tensor.defined() ? tensor.numel() : 0,
+            tensor.defined() ? static_cast<int64_t>(tensor.scalar_type()) : 0, detail, detail::current_activity()};
+  own.activity.resize(std::min<size_t>(own.activity.size(), static_cast<size_t>(kFrameTextBytes)));
+  auto frames = at::empty({group.size, kFrameBytes}, at::TensorOptions().dtype(at::kByte));
+  encode_frame(own, frames[group.rank].data_ptr<uint8_t>());
+  const auto own_frame = frames[group.rank];
+  auto works = exchange_with_peers(
+      group, [&](int64_t) { return own_frame; }, [&](int64_t peer) { return frames[peer]; });
+  pending_work(group, std::move(works), description + ", exchanging what each rank issues", nullptr).wait();
+  std::string differences;
+  for (int64_t peer = 0; peer < group.size; ++peer) {
+    if (peer == group.rank) continue;
+    const auto frame = decode_frame(frames[peer].data_ptr<uint8_t>());
+    if (frame && frame->same_operation(own)) continue;
+    differences += "; rank " + std::to_string(group.global_ranks[static_cast<size_t>(peer)]) + " issued " +
+                   (frame ? frame->text() : std::string("something that is not an fsdp.cpp collective"));
+  }
+  TORCH_CHECK(differences.empty(), "[rank ", group.global_rank, "] the ranks of group '", group.name,
+              "' issued different collectives: this rank issued ", own.text(), differences,
+              ". Every rank must run the same units, in the same order, with the same shapes: a branch that "
+              "only some ranks take, or ranks built from different models or settings, leads here");
+}
+
 // Reduces the N rows of `rows` (shape [N, s]) into `output` (s elements), in rank order. Pairwise
 // adds stream through memory once per row; at::sum over dim 0 of the same rows is 3.5x slower here.
 // bf16 and fp16 accumulate in fp32, which also makes a pre-divide unnecessary against overflow.
@@ -379,6 +469,7 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
     if (!output.is_same(input)) output.reshape({-1}).copy_(input.reshape({-1}));
     return completed_work();
   }
+  check_frames(group, FrameKind::kAllGather, input, 0, describe(group, "all_gather", output));
   if (input.numel() == 0) return completed_work();
 
   auto input_bytes = as_bytes(input);
@@ -412,6 +503,10 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
   check_divide_factor(group, "post_divide_factor", options.post_divide_factor, input);
   group.record("reduce_scatter", input.numel() * input.element_size());
   const int64_t shard_numel = output.numel();
+  if (group.size > 1) {
+    check_frames(group, FrameKind::kReduceScatter, input, static_cast<int64_t>(options.op),
+                 describe(group, "reduce_scatter", input));
+  }
   if (shard_numel == 0) return completed_work();
 
   auto send = options.pre_divide_factor == 1.0 ? input.reshape({-1}) : input.reshape({-1}) / options.pre_divide_factor;
@@ -454,7 +549,9 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
   auto& group = group_handle.state();
   check_buffer(group, "all_reduce", "input", tensor);
   group.record("all_reduce", tensor.numel() * tensor.element_size());
-  if (group.size == 1 || tensor.numel() == 0) return completed_work();
+  if (group.size == 1) return completed_work();
+  check_frames(group, FrameKind::kAllReduce, tensor, static_cast<int64_t>(op), describe(group, "all_reduce", tensor));
+  if (tensor.numel() == 0) return completed_work();
   const int64_t bytes = tensor.numel() * tensor.element_size();
   if (gloo_reduces_natively(tensor.scalar_type())) {
     std::vector<at::Tensor> tensors{tensor};
@@ -494,7 +591,9 @@ CollectiveWork broadcast_async(const ProcessGroup& group_handle, const at::Tenso
   TORCH_CHECK(root >= 0 && root < group.size, "[rank ", group.global_rank, "] broadcast on group '", group.name,
               "': root ", root, " is outside [0, ", group.size, ").");
   group.record("broadcast", tensor.numel() * tensor.element_size());
-  if (group.size == 1 || tensor.numel() == 0) return completed_work();
+  if (group.size == 1) return completed_work();
+  check_frames(group, FrameKind::kBroadcast, tensor, root, describe(group, "broadcast", tensor));
+  if (tensor.numel() == 0) return completed_work();
   std::vector<at::Tensor> tensors{as_bytes(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
@@ -511,6 +610,8 @@ void barrier(const ProcessGroup& group_handle) {
   auto& group = group_handle.state();
   group.record("barrier", 0);
   if (group.size == 1) return;
+  check_frames(group, FrameKind::kBarrier, at::Tensor(), 0,
+               "[rank " + std::to_string(group.global_rank) + "] barrier on group '" + group.name + "'");
   auto work = gloo(group).barrier();
   pending_work(group, std::move(work), "[rank " + std::to_string(group.global_rank) + "] barrier on group '" +
                                            group.name + "'")
