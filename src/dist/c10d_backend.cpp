@@ -18,6 +18,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <csignal>
 #include <cstdlib>
 #include <cstring>
 #include <optional>
@@ -41,6 +42,9 @@ struct BackendGroup {
 struct CollectiveWorkState {
   // One Gloo collective, or the point-to-point sends and receives that make up one of ours.
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  // For point-to-point works: the global rank each one exchanges with, so that a failure names the
+  // rank whose connection failed (Gloo names only its address). Empty for Gloo's collectives.
+  std::vector<int64_t> peers;
   std::function<void()> finish;
   std::string description;
   std::chrono::milliseconds timeout{0};
@@ -102,6 +106,15 @@ std::optional<int> listen_on_master_address(const DistributedEnvironment& enviro
 }  // namespace
 
 std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironment& environment) {
+  // A peer that dies closes its connections, and the next write to one raises SIGPIPE, whose default
+  // action ends this process without a word (exit 141) before Gloo can report which peer failed.
+  // Python, and so PyTorch, ignores SIGPIPE from the start; a C++ program has the default, so it is
+  // ignored here, unless the program chose its own disposition.
+  struct sigaction current {};
+  if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
+      (current.sa_flags & SA_SIGINFO) == 0) {
+    ::signal(SIGPIPE, SIG_IGN);
+  }
   auto backend = std::make_shared<BackendStore>();
   c10d::TCPStoreOptions options;
   options.port = static_cast<std::uint16_t>(environment.master_port);
@@ -216,9 +229,11 @@ CollectiveWork completed_work() {
 }
 
 CollectiveWork pending_work(const ProcessGroupState& group, std::vector<c10::intrusive_ptr<c10d::Work>> works,
-                            std::string description, std::function<void()> finish = nullptr) {
+                            std::string description, std::function<void()> finish = nullptr,
+                            std::vector<int64_t> peers = {}) {
   auto state = std::make_shared<CollectiveWorkState>();
   state->works = std::move(works);
+  state->peers = std::move(peers);
   state->finish = std::move(finish);
   state->description = std::move(description);
   // Recorded when issued: the wait may come later, inside another unit's work.
@@ -259,6 +274,18 @@ std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupStat
     works.push_back(backend.send(payload, target, tag));
   }
   return works;
+}
+
+// The global rank of each work exchange_with_peers returns, in its order.
+std::vector<int64_t> exchange_peers(const ProcessGroupState& group) {
+  std::vector<int64_t> peers;
+  for (int64_t offset = 1; offset < group.size; ++offset) {
+    peers.push_back(group.global_ranks[static_cast<size_t>((group.rank + group.size - offset) % group.size)]);
+  }
+  for (int64_t offset = 1; offset < group.size; ++offset) {
+    peers.push_back(group.global_ranks[static_cast<size_t>((group.rank + offset) % group.size)]);
+  }
+  return peers;
 }
 
 // Note [Collective frames]: before a collective moves data, every member sends every other one a
@@ -336,7 +363,9 @@ void check_frames(ProcessGroupState& group, FrameKind kind, const at::Tensor& te
   const auto own_frame = frames[group.rank];
   auto works = exchange_with_peers(
       group, [&](int64_t) { return own_frame; }, [&](int64_t peer) { return frames[peer]; });
-  pending_work(group, std::move(works), description + ", exchanging what each rank issues", nullptr).wait();
+  pending_work(group, std::move(works), description + ", exchanging what each rank issues", nullptr,
+               exchange_peers(group))
+      .wait();
   std::string differences;
   for (int64_t peer = 0; peer < group.size; ++peer) {
     if (peer == group.rank) continue;
@@ -439,12 +468,15 @@ bool CollectiveWork::query() const {
 void CollectiveWork::wait() {
   if (state_ == nullptr || state_->done) return;
   state_->done = true;  // a failed collective is not retried by a second wait()
-  for (auto& work : state_->works) {
+  for (size_t index = 0; index < state_->works.size(); ++index) {
     // On failure the remaining works stay referenced by state_, so buffers still in flight stay alive.
     try {
-      work->wait();
+      state_->works[index]->wait();
     } catch (const std::exception& error) {
-      TORCH_CHECK(false, state_->description, " failed: ", error.what(),
+      const std::string peer = index < state_->peers.size()
+                                   ? " in the exchange with rank " + std::to_string(state_->peers[index])
+                                   : std::string();
+      TORCH_CHECK(false, state_->description, " failed", peer, ": ", error.what(),
                   ". A peer rank probably exited or stopped calling collectives in the same order; read the other "
                   "ranks' logs. (Collective timeout: ", state_->timeout.count() / 1000.0,
                   " s, set with FSDP_COLLECTIVE_TIMEOUT.)");
@@ -481,7 +513,7 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
       group, [&](int64_t) { return input_bytes; },
       [&](int64_t peer) { return output_bytes.narrow(0, peer * shard_bytes, shard_bytes); });
   group.bytes_all_gather += (group.size - 1) * shard_bytes;
-  return pending_work(group, std::move(works), describe(group, "all_gather", output));
+  return pending_work(group, std::move(works), describe(group, "all_gather", output), nullptr, exchange_peers(group));
 }
 
 void all_gather(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input) {
@@ -533,11 +565,13 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
       group, [&](int64_t peer) { return send_bytes.narrow(0, peer * chunk_bytes, chunk_bytes); },
       [&](int64_t peer) { return received_bytes.narrow(0, peer * chunk_bytes, chunk_bytes); });
   group.bytes_reduce_scatter += (group.size - 1) * chunk_bytes;
-  return pending_work(group, std::move(works), describe(group, "reduce_scatter", input),
-                      [send, received, finish_rows] {
-                        finish_rows(received);
-                        detail::return_pooled_bytes(received);
-                      });
+  return pending_work(
+      group, std::move(works), describe(group, "reduce_scatter", input),
+      [send, received, finish_rows] {
+        finish_rows(received);
+        detail::return_pooled_bytes(received);
+      },
+      exchange_peers(group));
 }
 
 void reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
