@@ -276,6 +276,15 @@ std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupStat
   return works;
 }
 
+// Works of a failed exchange whose receives may still complete: kept, with the buffers they write,
+// for the life of the process.
+void abandon(const std::vector<c10::intrusive_ptr<c10d::Work>>& works) {
+  static std::mutex mutex;
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>();
+  std::lock_guard<std::mutex> lock(mutex);
+  kept->insert(kept->end(), works.begin(), works.end());
+}
+
 // The global rank of each work exchange_with_peers returns, in its order.
 std::vector<int64_t> exchange_peers(const ProcessGroupState& group) {
   std::vector<int64_t> peers;
@@ -363,9 +372,41 @@ void check_frames(ProcessGroupState& group, FrameKind kind, const at::Tensor& te
   const auto own_frame = frames[group.rank];
   auto works = exchange_with_peers(
       group, [&](int64_t) { return own_frame; }, [&](int64_t peer) { return frames[peer]; });
-  pending_work(group, std::move(works), description + ", exchanging what each rank issues", nullptr,
-               exchange_peers(group))
-      .wait();
+  // Which peers' frames arrived tells, when the exchange fails, which ranks never issued this one.
+  const auto peers = exchange_peers(group);
+  std::vector<c10::intrusive_ptr<c10d::Work>> receives(works.begin(), works.begin() + (group.size - 1));
+  try {
+    pending_work(group, works, description + ", exchanging what each rank issues", nullptr, peers).wait();
+  } catch (const c10::Error& error) {
+    // A frame may still arrive into `frames` after this: the works and their buffers stay alive.
+    abandon(works);
+    auto timed_out = [](const std::exception_ptr& failure) {
+      try {
+        std::rethrow_exception(failure);
+      } catch (const std::exception& caught) {
+        return std::string(caught.what()).find("imed out") != std::string::npos;
+      } catch (...) {
+      }
+      return false;
+    };
+    std::string missing;
+    for (size_t index = 0; index < receives.size(); ++index) {
+      auto& receive = receives[index];
+      bool absent = false;
+      if (receive->isCompleted()) {
+        absent = !receive->isSuccess() && timed_out(receive->exception());
+      } else {
+        try {
+          receive->wait(std::chrono::milliseconds(1));  // Gloo marks a receive done only in wait()
+        } catch (const std::exception&) {
+          absent = timed_out(std::current_exception());
+        }
+      }
+      if (absent) missing += (missing.empty() ? "" : ", ") + std::to_string(peers[index]);
+    }
+    if (missing.empty()) throw;
+    TORCH_CHECK(false, error.what_without_backtrace(), " Ranks that never issued it: ", missing, ".");
+  }
   std::string differences;
   for (int64_t peer = 0; peer < group.size; ++peer) {
     if (peer == group.rank) continue;

@@ -192,6 +192,28 @@ TEST(CollectiveFrames, RanksThatIssueDifferentCollectivesGetANamedErrorNotAnAbor
   });
 }
 
+// A rank that never issues the collective (stuck elsewhere) is named once the others time out
+// (issue Reliability: the report named the collective and group, not who did not arrive).
+TEST(CollectiveFrames, ARankThatNeverIssuesTheCollectiveIsNamedAfterTheTimeout) {
+  testing::MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(2);
+  testing::run_on_ranks(
+      3,
+      [](const DistributedContext& context) {
+        const auto& world = context.world();
+        if (world.rank() == 2) {
+          std::this_thread::sleep_for(std::chrono::seconds(5));  // past the others' timeout
+          return;
+        }
+        auto shard = at::ones({4});
+        auto gathered = at::empty({12});
+        const auto message = error_message_of([&] { all_gather(world, gathered, shard); });
+        EXPECT_NE(message.find("exchanging what each rank issues"), std::string::npos) << message;
+        EXPECT_NE(message.find("Ranks that never issued it: 2."), std::string::npos) << message;
+      },
+      options);
+}
+
 TEST(CollectiveErrors, BadBuffersAreNamed) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});
   const auto& world = context.world();
