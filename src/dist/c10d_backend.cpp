@@ -263,15 +263,27 @@ std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupStat
   auto& backend = gloo(group);
   const int tag = static_cast<int>(group.next_exchange_tag.fetch_add(1) & 0x3fffffffU);
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  for (int64_t offset = 1; offset < group.size; ++offset) {
-    const auto source = static_cast<int>((group.rank + group.size - offset) % group.size);
-    std::vector<at::Tensor> destination{received_chunk(source)};
-    works.push_back(backend.recv(destination, source, tag));
-  }
-  for (int64_t offset = 1; offset < group.size; ++offset) {
-    const auto target = static_cast<int>((group.rank + offset) % group.size);
-    std::vector<at::Tensor> payload{sent_chunk(target)};
-    works.push_back(backend.send(payload, target, tag));
+  int64_t peer = -1;
+  try {
+    for (int64_t offset = 1; offset < group.size; ++offset) {
+      const auto source = static_cast<int>((group.rank + group.size - offset) % group.size);
+      peer = source;
+      std::vector<at::Tensor> destination{received_chunk(source)};
+      works.push_back(backend.recv(destination, source, tag));
+    }
+    for (int64_t offset = 1; offset < group.size; ++offset) {
+      const auto target = static_cast<int>((group.rank + offset) % group.size);
+      peer = target;
+      std::vector<at::Tensor> payload{sent_chunk(target)};
+      works.push_back(backend.send(payload, target, tag));
+    }
+  } catch (const c10::Error&) {
+    throw;
+  } catch (const std::exception& error) {
+    // Gloo refuses to post on a connection that is already closed, with its own exception type.
+    const auto global_peer = group.global_ranks[static_cast<size_t>(peer)];
+    TORCH_CHECK(false, "[rank ", group.global_rank, "] group '", group.name, "': the connection to rank ", global_peer,
+                " failed: ", error.what(), ". Rank ", global_peer, " probably exited; read its log");
   }
   return works;
 }

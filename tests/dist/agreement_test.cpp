@@ -4,6 +4,8 @@
 // model on one rank, which used to abort inside Gloo (op.preamble.length <= op.nbytes) or wait for
 // the collective timeout.
 #include <gtest/gtest.h>
+
+#include <tuple>
 #include <torch/torch.h>
 
 #include <fsdp/fsdp.h>
@@ -68,6 +70,36 @@ TEST(Agreement, AnotherFsdpVersionOnOneRankNamesTheVersionFirst) {
               std::string::npos)
         << message;
     EXPECT_EQ(message.find("differences_from_accelerate"), std::string::npos) << message;
+  });
+}
+
+// Each setting the issue found aborting, hanging or silently training wrong when one rank had
+// another value: every one is named with both values.
+TEST(Agreement, EverySettingOneRankHasOtherwiseIsNamed) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    // (variables on rank 1, FSDP version, the field named)
+    using Variables = std::vector<std::pair<std::string, std::string>>;
+    for (const auto& [variables, version, field] : std::vector<std::tuple<Variables, std::string, std::string>>{
+             {{{"FSDP_RESHARD_AFTER_FORWARD", "false"}}, "2", "reshard_after_forward"},
+             {{{"FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"}, {"FSDP_MIN_NUM_PARAMS", "10"}}, "2", "auto_wrap_policy"},
+             {{{"FSDP_SHARDING_STRATEGY", "NO_SHARD"}}, "1", "sharding_strategy"},
+             {{{"FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT"}}, "2", "state_dict_type"},
+             {{{"ACCELERATE_MIXED_PRECISION", "bf16"}}, "2", "mixed_precision"},
+             {{{"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"}}, "2", "cpu_ram_efficient_loading"}}) {
+      const auto variable = variables.front().first;
+      torch::manual_seed(1);
+      testing::MlpStack model;
+      torch::optim::AdamW optimizer(model->parameters());
+      EnvironmentMap environment{{"FSDP_VERSION", version}};
+      if (context.rank() == 1) {
+        for (const auto& [name, value] : variables) environment[name] = value;
+      }
+      Accelerator accelerator(context, AcceleratorOptions{}, environment);
+      const auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
+      EXPECT_NE(message.find("Accelerator::prepare: the ranks disagree: "), std::string::npos) << variable << ": " << message;
+      EXPECT_NE(message.find("'" + field + "' is"), std::string::npos) << variable << ": " << message;
+      EXPECT_NE(message.find("on rank 1"), std::string::npos) << variable << ": " << message;
+    }
   });
 }
 

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <regex>
+#include <tuple>
 
 #include <nlohmann/json.hpp>
 
@@ -201,6 +202,30 @@ TEST_F(TrainLlama, ANonFiniteLossStopsTheRunNamingTheStep) {
   EXPECT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("the optimizer step is skipped (--skip-nonfinite-steps)"), std::string::npos)
       << result.output;
+}
+
+// Each flag the issue found aborting in Gloo (--preset, --checkpoint-every), waiting for the
+// timeout (--seq-len) or training to a wrong result with exit 0 (--seed, --global-batch-size) when
+// one rank had another value is named with both values before any data collective.
+TEST_F(TrainLlama, EachFlagOneRankHasOtherwiseIsNamed) {
+  for (const auto& [flag, rank0, rank1] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--preset", "tiny", "small"},
+           {"--checkpoint-every", "2", "3"},
+           {"--seq-len", "32", "64"},
+           {"--seed", "1", "2"},
+           {"--global-batch-size", "4", "8"}}) {
+    const auto command = std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- sh -c '" +
+                         "if [ \"$RANK\" = 1 ]; then value=" + rank1 + "; else value=" + rank0 + "; fi; exec " +
+                         FSDP_TRAIN_LLAMA_PATH + " --output-dir " + (root_ / "flags").string() + " --data " +
+                         (root_ / "train.txt").string() + " --steps 4 --eval-every 0 --sample-bytes 8 " + flag +
+                         " $value'";
+    const auto result = run_command(command);
+    EXPECT_NE(result.exit_code, 0) << flag << ": " << result.output;
+    EXPECT_NE(result.output.find("the ranks disagree: '" + flag + "' is "), std::string::npos) << flag << ": " << result.output;
+    EXPECT_NE(result.output.find(rank0 + " on rank 0"), std::string::npos) << flag << ": " << result.output;
+    EXPECT_NE(result.output.find(rank1 + " on rank 1"), std::string::npos) << flag << ": " << result.output;
+    EXPECT_EQ(result.output.find("EnforceNotMet"), std::string::npos) << flag << ": " << result.output;
+  }
 }
 
 TEST_F(TrainLlama, BadFlagsAreErrors) {
