@@ -381,6 +381,17 @@ TEST(Checkpoint, FilesOfAnotherSaveOrAnotherRankAreNamedErrors) {
           std::ofstream(model_1, std::ios::binary | std::ios::trunc) << bytes.substr(0, footer);
         },
         [&] { put_back(model_1); }, {"__1_0.distcp' carries no save identity, but"});
+    // A .metadata of this save that lists fewer entries than the save wrote (the marker counts them).
+    const auto marker = in(directory, "checkpoint_complete.json");
+    expect(
+        [&] {
+          keep(marker);
+          nlohmann::json changed;
+          std::ifstream(marker) >> changed;
+          changed["entries"]["optimizer_0"] = changed["entries"]["optimizer_0"].get<int64_t>() + 1;
+          std::ofstream(marker) << changed.dump();
+        },
+        [&] { put_back(marker); }, {"optimizer_0' lists ", "entries in its .metadata, but the save wrote "}, false);
     const auto states_0 = in(directory, "random_states_0.pkl");
     const auto states_1 = in(directory, "random_states_1.pkl");
     expect([&] { swap(states_0, states_1); }, [&] { swap(states_0, states_1); },
