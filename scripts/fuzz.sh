@@ -2,7 +2,7 @@
 # Builds the libFuzzer targets in fuzz/ with clang (AddressSanitizer and UndefinedBehaviorSanitizer
 # on) and runs each for a while on its corpus, after replaying every saved regression input.
 #
-#   scripts/fuzz.sh [--seconds N]     N seconds per target (default 60; CI runs 20)
+#   scripts/fuzz.sh [--seconds N]     N seconds per target (default 60; CI runs 10)
 #
 # Installs clang and libFuzzer's runtime from Debian's packages when missing. The seed corpus in
 # fuzz/corpus/<target>/ is copied to build-fuzz/corpus/<target>/, where new inputs accumulate between
@@ -51,7 +51,7 @@ if ! { cmake -S "$root/fuzz" -B "$build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Re
 fi
 
 status=0
-for target in restricted_unpickler dcp_metadata; do
+for target in restricted_unpickler dcp_metadata safetensors sharded_metadata torch_file plugin_config llama_config; do
   binary="$build/${target}_fuzz"
   corpus="$build/corpus/$target"
   artifacts="$build/artifacts/$target"

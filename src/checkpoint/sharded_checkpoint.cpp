@@ -163,6 +163,18 @@ void ShardedDirectoryReader::open() {
   }
   if (!metadata.contains("world_size") || !metadata["world_size"].is_number_integer()) fail("no world_size");
   world_size_ = metadata["world_size"].get<int64_t>();
+  // The rank files are probed one by one below, and their names have five digits: a world_size of
+  // 10^12 would hang the reader (found by fuzz/sharded_metadata_fuzz.cpp), and one below 1 would
+  // skip the check that the metadata lists everything the files hold.
+  if (world_size_ < 1 || world_size_ > 100000) {
+    fail("world_size " + std::to_string(world_size_) + " is not between 1 and 100000");
+  }
+  // nlohmann's get<int64_t> truncates 6.5 to 6, and a number beyond int64's range is undefined
+  // behavior there (found by fuzz/sharded_metadata_fuzz.cpp): integers must be written as integers.
+  auto integer = [&](const nlohmann::json& value, const std::string& what) {
+    if (!value.is_number_integer()) fail(what + " is " + value.dump() + ", not an integer");
+    return value.get<int64_t>();
+  };
   if (metadata.contains("extra")) extra_json_ = metadata["extra"].dump();
   if (!metadata.contains("tensors") || !metadata["tensors"].is_array()) fail("no tensor list");
   for (const auto& item : metadata["tensors"]) {
@@ -171,6 +183,9 @@ void ShardedDirectoryReader::open() {
       fail("malformed tensor entry " + item.dump());
     }
     const auto name = item["name"].get<std::string>();
+    // A second entry would replace the first and list the name twice (found by
+    // fuzz/sharded_metadata_fuzz.cpp).
+    if (tensors_.count(name)) fail("tensor '" + name + "' is listed twice");
     Entry entry;
     if (!item["dtype"].is_string()) fail("tensor '" + name + "' has dtype " + item["dtype"].dump() + ", not a string");
     entry.dtype = item["dtype"].get<std::string>();
@@ -180,15 +195,19 @@ void ShardedDirectoryReader::open() {
       fail("tensor '" + name + "' has dtype '" + entry.dtype +
            "', which is not a dtype fsdp.cpp writes (F64, F32, F16, BF16, I64, I32, I16, I8, U8, BOOL, ...)");
     }
-    entry.shape = item["shape"].get<std::vector<int64_t>>();
+    if (!item["shape"].is_array()) fail("tensor '" + name + "' has shape " + item["shape"].dump() + ", not a list");
+    for (const auto& extent : item["shape"]) {
+      entry.shape.push_back(integer(extent, "tensor '" + name + "' has a size that"));
+    }
     TORCH_CHECK(entry.shape.size() <= 64, "'", metadata_path.string(), "': tensor '", name, "' has ", entry.shape.size(),
                 " dimensions");
     for (auto extent : entry.shape) {
       if (extent < 0 || extent > (int64_t{1} << 48)) fail("tensor '" + name + "' has an impossible size");
     }
     for (const auto& chunk : item["chunks"]) {
-      Chunk parsed{chunk.at("file").get<std::string>(), chunk.at("row_offset").get<int64_t>(),
-                   chunk.at("rows").get<int64_t>()};
+      Chunk parsed{chunk.at("file").get<std::string>(),
+                   integer(chunk.at("row_offset"), "tensor '" + name + "' has a row_offset that"),
+                   integer(chunk.at("rows"), "tensor '" + name + "' has a rows count that")};
       if (!is_rank_file_name(parsed.file)) fail("tensor '" + name + "' names file '" + parsed.file + "', not a rank file");
       if (parsed.row_offset < 0 || parsed.rows < 0 || parsed.row_offset > rows_of(entry.shape) ||
           parsed.rows > rows_of(entry.shape) - parsed.row_offset) {

@@ -890,7 +890,9 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
         "when the accelerator uses mixed precision, as under version 2");
   }
   document["differences_from_accelerate"] = differences;
-  return document.dump(2);
+  // Values and warnings quote the environment's bytes, which need not be UTF-8 (found by
+  // fuzz/plugin_config_fuzz.cpp): such bytes print as U+FFFD instead of throwing a JSON error.
+  return document.dump(2, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
 }  // namespace fsdp

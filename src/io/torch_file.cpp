@@ -1,13 +1,19 @@
 #include <fsdp/torch_file.h>
 
 #include <c10/util/Exception.h>
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
+#include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
+#include <torch/csrc/jit/serialization/storage_context.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <memory>
+#include <unordered_set>
 
 #include "io/atomic_file.h"
 
@@ -112,9 +118,171 @@ c10::IValue load_torch_file(const std::string& path) {
   return load_torch_bytes(bytes, path);
 }
 
+namespace {
+
+// libtorch's reader sizes its buffers from the lengths an archive declares, before reading a byte:
+// a record's uncompressed size in the zip directory, a pickled string's length, the largest memo
+// index (the memo grows to it). Tens of bytes can ask for gigabytes, which kills the process or
+// escapes as std::bad_alloc (found by fuzz/torch_file_fuzz.cpp). This pass refuses, first, what no
+// writer produces: a record larger than the archive (torch.save stores records uncompressed), a
+// length beyond the bytes that follow it in data.pkl, a memo index beyond data.pkl's size (picklers
+// number memo entries from 0). It only walks the opcodes' arguments; libtorch judges the rest.
+void check_declared_sizes(caffe2::serialize::PyTorchStreamReader& reader, size_t archive_size) {
+  for (const auto& name : reader.getAllRecords()) {
+    const size_t record_size = reader.getRecordSize(name);
+    TORCH_CHECK(record_size <= archive_size, "record '", name, "' declares ", record_size,
+                " bytes, more than the whole archive");
+  }
+  if (!reader.hasRecord("data.pkl")) return;  // the unpickler names what is missing
+  const auto record = reader.getRecord("data.pkl");
+  const auto* data = static_cast<const uint8_t*>(std::get<0>(record).get());
+  const size_t size = std::get<1>(record);
+  size_t position = 0;
+  auto need = [&](uint64_t count, size_t at) {
+    TORCH_CHECK(count <= size - position, "data.pkl: the opcode at byte ", at, " needs ", count, " bytes but only ",
+                size - position, " follow");
+  };
+  auto little_endian = [&](size_t count, size_t at) {
+    need(count, at);
+    uint64_t value = 0;
+    for (size_t index = 0; index < count; ++index) {
+      value |= static_cast<uint64_t>(data[position + index]) << (8 * index);
+    }
+    position += count;
+    return value;
+  };
+  auto skip = [&](uint64_t count, size_t at) {
+    need(count, at);
+    position += static_cast<size_t>(count);
+  };
+  auto skip_line = [&](size_t at) {
+    const void* end = std::memchr(data + position, '\n', size - position);
+    TORCH_CHECK(end, "data.pkl: the opcode at byte ", at, " has no end of line");
+    position = static_cast<size_t>(static_cast<const uint8_t*>(end) - data) + 1;
+  };
+  // The argument of every pickle opcode (protocols 0 to 5).
+  while (position < size) {
+    const size_t at = position;
+    switch (data[position++]) {
+      case '.':  // STOP
+        return;
+      case 0x80: case 'K': case 'q': case 'h': case 0x82:  // PROTO BININT1 BINPUT BINGET EXT1
+        skip(1, at);
+        break;
+      case 'M': case 0x83:  // BININT2 EXT2
+        skip(2, at);
+        break;
+      case 'J': case 'j': case 0x84:  // BININT LONG_BINGET EXT4
+        skip(4, at);
+        break;
+      case 'r': {  // LONG_BINPUT
+        const uint64_t index = little_endian(4, at);
+        TORCH_CHECK(index < size, "data.pkl: the opcode at byte ", at, " stores memo entry ", index, " of a ", size,
+                    "-byte pickle");
+        break;
+      }
+      case 'G':  // BINFLOAT
+        skip(8, at);
+        break;
+      case 0x95:  // FRAME: the length of the frame that follows
+        need(little_endian(8, at), at);
+        break;
+      case 'U': case 'C': case 0x8c: case 0x8a:  // SHORT_BINSTRING SHORT_BINBYTES SHORT_BINUNICODE LONG1
+        skip(little_endian(1, at), at);
+        break;
+      case 'T': case 'B': case 'X': case 0x8b:  // BINSTRING BINBYTES BINUNICODE LONG4
+        skip(little_endian(4, at), at);
+        break;
+      case 0x8e: case 0x8d: case 0x96:  // BINBYTES8 BINUNICODE8 BYTEARRAY8
+        skip(little_endian(8, at), at);
+        break;
+      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p': case 'g':  // text arguments
+        skip_line(at);
+        break;
+      case 'c': case 'i':  // GLOBAL INST: module and name lines
+        skip_line(at);
+        skip_line(at);
+        break;
+      case '(': case '0': case '1': case '2': case 'N': case 0x88: case 0x89: case ')': case ']': case '}':
+      case 0x85: case 0x86: case 0x87: case 't': case 'l': case 'a': case 'e': case 'd': case 's': case 'u':
+      case 'R': case 'b': case 0x81: case 0x92: case 0x93: case 0x94: case 'Q': case 0x8f: case 0x90: case 0x91:
+      case 'o': case 0x97: case 0x98:  // no argument
+        break;
+      default:  // not an opcode: the unpickler names it
+        return;
+    }
+  }
+}
+
+// libtorch sizes a storage by the element count the pickle states, whatever the size of the record
+// holding its bytes, so a short or empty record makes a tensor that reads past its buffer or from
+// null (found by fuzz/torch_file_fuzz.cpp). The unpickler takes a storage from this context when
+// it holds one under the record's key: here, every data/<key> record, sized as it is.
+std::shared_ptr<torch::jit::DeserializationStorageContext> record_storages(
+    caffe2::serialize::PyTorchStreamReader& reader) {
+  auto storages = std::make_shared<torch::jit::DeserializationStorageContext>();
+  for (const auto& name : reader.getAllRecords()) {
+    if (name.rfind("data/", 0) != 0) continue;
+    auto [data, size] = reader.getRecord(name);
+    storages->addStorage(name.substr(5), c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data),
+                                                      /*allocator=*/nullptr, /*resizable=*/false));
+  }
+  return storages;
+}
+
+// Offsets, sizes and strides come from the pickle unchecked too: every tensor must lie inside its
+// storage. Each aggregate once (memo references share them), with an explicit stack.
+void check_tensors_inside_storages(const c10::IValue& root) {
+  std::unordered_set<const void*> seen;
+  std::vector<c10::IValue> pending{root};
+  while (!pending.empty()) {
+    const c10::IValue value = std::move(pending.back());
+    pending.pop_back();
+    if (value.isPtrType() && !seen.insert(value.internalToPointer()).second) continue;
+    if (value.isTuple()) {
+      for (const auto& element : value.toTupleRef().elements()) pending.push_back(element);
+    } else if (value.isList()) {
+      for (const auto& element : value.toListRef()) pending.push_back(element);
+    } else if (value.isGenericDict()) {
+      for (const auto& entry : value.toGenericDict()) {
+        pending.push_back(entry.key());
+        pending.push_back(entry.value());
+      }
+    }
+    if (!value.isTensor()) continue;
+    const auto& tensor = value.toTensor();
+    if (!tensor.defined() || tensor.layout() != at::kStrided || !tensor.has_storage() || tensor.numel() == 0) continue;
+    int64_t last = tensor.storage_offset();
+    bool fits = last >= 0;
+    for (int64_t dim = 0; fits && dim < tensor.dim(); ++dim) {
+      int64_t reach = 0;
+      fits = tensor.stride(dim) >= 0 && !__builtin_mul_overflow(tensor.size(dim) - 1, tensor.stride(dim), &reach) &&
+             !__builtin_add_overflow(last, reach, &last);
+    }
+    int64_t bytes = 0;
+    fits = fits && !__builtin_add_overflow(last, int64_t{1}, &last) &&
+           !__builtin_mul_overflow(last, static_cast<int64_t>(tensor.element_size()), &bytes) &&
+           bytes <= static_cast<int64_t>(tensor.storage().nbytes());
+    TORCH_CHECK(fits, "a ", tensor.scalar_type(), " tensor of shape ", tensor.sizes(), ", strides ", tensor.strides(),
+                " and storage offset ", tensor.storage_offset(), " reaches past its ", tensor.storage().nbytes(),
+                "-byte storage");
+  }
+}
+
+}  // namespace
+
 c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& path) {
   try {
-    return torch::pickle_load(bytes);
+    // What torch::pickle_load does, with the checks above around libtorch's unpickler.
+    caffe2::serialize::PyTorchStreamReader reader(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+    check_declared_sizes(reader, bytes.size());
+    auto value = torch::jit::readArchiveAndTensors("data", /*pickle_prefix=*/"", /*tensor_prefix=*/"",
+                                                   /*type_resolver=*/std::nullopt, /*obj_loader=*/std::nullopt,
+                                                   /*device=*/std::nullopt, reader,
+                                                   torch::jit::Unpickler::defaultTypeParser, record_storages(reader));
+    check_tensors_inside_storages(value);
+    return value;
   } catch (const c10::Error& error) {
     const std::string what = error.what_without_backtrace();
     // libtorch's unpickler turns collections.OrderedDict into None and then fails an internal assert.
@@ -126,6 +294,10 @@ c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& 
                 newer_dtype ? ". The file holds a tensor of a dtype torch.save writes with _rebuild_tensor_v3 (float8, "
                               "uint16/32/64), which libtorch cannot read; save it with safetensors instead"
                             : ". Expected a torch.save zip of dicts, lists and tensors");
+  } catch (const std::exception& error) {
+    // libtorch's unpickler also throws std::bad_alloc, std::out_of_range, ... on malformed bytes.
+    TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", error.what(),
+                ". Expected a torch.save zip of dicts, lists and tensors");
   }
 }
 

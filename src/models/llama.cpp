@@ -124,11 +124,17 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
                 "; scaled rotary embeddings (e.g. Llama 3.1's) are not implemented");
     TORCH_CHECK(!config.value("attention_bias", false) && !config.value("mlp_bias", false), "'", source,
                 "' enables attention_bias or mlp_bias; this Llama has no biases");
-    TORCH_CHECK(config.value("pretraining_tp", int64_t{1}) == 1, "'", source, "' sets pretraining_tp ",
+    // integer_field, not get<int64_t>: a float beyond int64's range is undefined behavior in
+    // nlohmann's conversion, and so is an overflowing product (found by fuzz/llama_config_fuzz.cpp).
+    TORCH_CHECK(optional_integer(config, "pretraining_tp", 1, source) == 1, "'", source, "' sets pretraining_tp ",
                 config["pretraining_tp"].dump(), "; only 1 is implemented");
     if (config.contains("head_dim") && !config["head_dim"].is_null()) {
-      TORCH_CHECK(config["head_dim"].get<int64_t>() * result.num_attention_heads == result.hidden_size, "'", source,
-                  "' sets head_dim ", config["head_dim"].dump(), ", but hidden_size / num_attention_heads is ",
+      const int64_t head_dim = integer_field(config["head_dim"], "head_dim", source);
+      int64_t heads_times_head_dim = 0;
+      TORCH_CHECK(!__builtin_mul_overflow(head_dim, result.num_attention_heads, &heads_times_head_dim) &&
+                      heads_times_head_dim == result.hidden_size,
+                  "'", source, "' sets head_dim ", config["head_dim"].dump(),
+                  ", but hidden_size / num_attention_heads is ",
                   result.hidden_size / std::max<int64_t>(1, result.num_attention_heads),
                   "; a separate head_dim is not implemented");
     }
