@@ -672,8 +672,10 @@ TEST(FullyShard, GradientsAccumulateAcrossBackwardsWithoutZeroGradScalarsInclude
       }
       // The reference sums over the whole batch; FSDP averages over ranks, so scale it back.
       const auto& layout = fsdp_module_of(*model)->sharded_parameters();
+      // Held: find() points into the dict, which a temporary would free at once (found by ASan).
+      const auto reference_parameters = reference->named_parameters();
       for (const auto& parameter : layout) {
-        const auto* expected = reference->named_parameters().find(parameter.name);
+        const auto* expected = reference_parameters.find(parameter.name);
         ASSERT_NE(expected, nullptr) << parameter.name;
         auto full = expected->grad().reshape({-1}) / context.world_size();
         auto mine = parameter.parameter.grad().reshape({-1});
