@@ -45,6 +45,8 @@ struct CollectiveWorkState {
   // For point-to-point works: the global rank each one exchanges with, so that a failure names the
   // rank whose connection failed (Gloo names only its address). Empty for Gloo's collectives.
   std::vector<int64_t> peers;
+  // The other members of the group, for Gloo's own collectives: one of them failed.
+  std::vector<int64_t> others;
   std::function<void()> finish;
   std::string description;
   std::chrono::milliseconds timeout{0};
@@ -234,6 +236,9 @@ CollectiveWork pending_work(const ProcessGroupState& group, std::vector<c10::int
   auto state = std::make_shared<CollectiveWorkState>();
   state->works = std::move(works);
   state->peers = std::move(peers);
+  for (const auto rank : group.global_ranks) {
+    if (rank != group.global_rank) state->others.push_back(rank);
+  }
   state->finish = std::move(finish);
   state->description = std::move(description);
   // Recorded when issued: the wait may come later, inside another unit's work.
@@ -526,9 +531,18 @@ void CollectiveWork::wait() {
     try {
       state_->works[index]->wait();
     } catch (const std::exception& error) {
-      const std::string peer = index < state_->peers.size()
-                                   ? " in the exchange with rank " + std::to_string(state_->peers[index])
-                                   : std::string();
+      std::string peer;
+      if (index < state_->peers.size()) {
+        peer = " in the exchange with rank " + std::to_string(state_->peers[index]);
+      } else if (state_->others.size() == 1) {
+        peer = " in the exchange with rank " + std::to_string(state_->others.front());
+      } else if (!state_->others.empty()) {
+        peer = " in an exchange with one of ranks ";
+        for (size_t other = 0; other < state_->others.size() && other < 16; ++other) {
+          peer += (other ? ", " : "") + std::to_string(state_->others[other]);
+        }
+        if (state_->others.size() > 16) peer += ", ...";
+      }
       TORCH_CHECK(false, state_->description, " failed", peer, ": ", error.what(),
                   ". A peer rank probably exited or stopped calling collectives in the same order; read the other "
                   "ranks' logs. (Collective timeout: ", state_->timeout.count() / 1000.0,
