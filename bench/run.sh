@@ -21,7 +21,13 @@ else
   llama=(--model llama --width 512 --hidden 1376 --blocks 4 --batch 8 --length 16 --vocab 4096 --steps 4)
   big_sizes=(--width 512 --hidden 2048 --blocks 24 --batch 64 --steps 2)
 fi
-launch() { "$bin/fsdp" launch --nproc-per-node "$1" --master-port 0 -- "${@:2}" >> "$results"; }
+# In the smoke run a launch that hangs fails within 5 minutes, naming itself (a full run has no limit).
+launch() {
+  local limit=()
+  (( smoke )) && limit=(timeout 300)
+  "${limit[@]}" "$bin/fsdp" launch --nproc-per-node "$1" --master-port 0 -- "${@:2}" >> "$results" ||
+    { echo "bench: failed or hung: fsdp launch --nproc-per-node $1 -- ${*:2}" >&2; return 1; }
+}
 for round in $(seq "$rounds"); do
   for n in "${world_sizes[@]}"; do
     # Peers alternate within a round so that machine noise hits them alike.
