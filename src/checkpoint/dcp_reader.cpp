@@ -22,6 +22,7 @@
 
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/save_identity.h"
+#include "io/positioned_read.h"
 #include "io/restricted_unpickler.h"
 
 namespace fsdp::detail {
@@ -33,21 +34,6 @@ std::string join(const std::vector<std::string>& parts, size_t first) {
   std::string text;
   for (size_t index = first; index < parts.size(); ++index) text += (index > first ? "." : "") + parts[index];
   return text;
-}
-
-// Reads up to `count` bytes at `offset` (fewer only where the file ends), retrying interrupted
-// reads; -1 with errno set on an error.
-int64_t read_at(int descriptor, void* buffer, size_t count, int64_t offset) {
-  size_t done = 0;
-  while (done < count) {
-    const auto got = ::pread(descriptor, static_cast<char*>(buffer) + done, count - done,
-                             static_cast<off_t>(offset + static_cast<int64_t>(done)));
-    if (got < 0 && errno == EINTR) continue;
-    if (got < 0) return -1;
-    if (got == 0) break;
-    done += static_cast<size_t>(got);
-  }
-  return static_cast<int64_t>(done);
 }
 
 // One item of a .distcp file as a zip archive, read with pread: the archive's reader never sees

@@ -2,12 +2,13 @@
 
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
-#include <unistd.h>
 
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <random>
+
+#include "io/positioned_read.h"
 
 namespace fsdp::detail {
 namespace {
@@ -19,15 +20,7 @@ constexpr int64_t kLengthBytes = 8;
 constexpr int64_t kMaxIdentityBytes = 4096;
 
 bool read_exactly(int descriptor, void* buffer, int64_t count, int64_t offset) {
-  int64_t done = 0;
-  while (done < count) {
-    const auto got = ::pread(descriptor, static_cast<char*>(buffer) + done, static_cast<size_t>(count - done),
-                             static_cast<off_t>(offset + done));
-    if (got < 0 && errno == EINTR) continue;
-    if (got <= 0) return false;
-    done += got;
-  }
-  return true;
+  return read_at(descriptor, buffer, static_cast<size_t>(count), offset) == count;
 }
 
 }  // namespace
