@@ -9,7 +9,8 @@
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 "$root/scripts/setup.sh"
-bin="${FSDP_BUILD_DIR:-$root/build}/bin"
+source "$root/scripts/flavor.sh"
+bin="$fsdp_build_dir/bin"
 run_dir="${RUN_DIR:-$root/runs/llama}"
 steps="${RUN_STEPS:-300}"
 half=$((steps / 2))

@@ -7,17 +7,22 @@
 #      benchmarks compare against. The binaries never need Python: they find libtorch by RPATH.
 #   3. CMake against that libtorch (or FSDP_TORCH_PREFIX), then an incremental build.
 # Idempotent: with everything present it only runs an incremental build.
-# Environment: FSDP_BUILD_DIR (default build/), FSDP_VENV (default .venv/), FSDP_PYTHON (the Python
+# FSDP_FLAVOR=cuda (scripts/flavor.sh) does the same with requirements-cuda.txt (the CUDA torch
+# 2.14.1 wheel) into .venv-cuda/ and build-cuda/, compiling the GPU path; it needs a CUDA toolkit
+# (nvcc and its headers, /usr/local/cuda or CUDA_HOME), which Caffe2's CMake code looks for.
+# Environment: FSDP_FLAVOR (cpu or cuda; default cpu), FSDP_BUILD_DIR (default build/ or build-cuda/),
+# FSDP_VENV (default .venv/ or .venv-cuda/), FSDP_PYTHON (the Python
 # that creates the venv; default python3.11, else python3), FSDP_TORCH_PREFIX (another libtorch:
 # its directory holding share/cmake/Torch, e.g. an unpacked official libtorch archive),
 # FSDP_BUILD_JOBS. Used by run.sh and test.sh; usable alone: scripts/setup.sh
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-build_dir="${FSDP_BUILD_DIR:-$root/build}"
-venv="${FSDP_VENV:-$root/.venv}"
-requirements="$root/requirements.txt"
-min_torch=2.13
+source "$root/scripts/flavor.sh"
+build_dir="$fsdp_build_dir"
+venv="$fsdp_venv"
+requirements="$fsdp_requirements"
+min_torch=2.11
 
 fail() {
   echo "setup: $*" >&2
@@ -91,12 +96,12 @@ fi
 stamp="$venv/.fsdp-requirements.sha256"
 wanted="$(sha256sum "$requirements" | cut -d' ' -f1)"
 if [[ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]] || ! "$venv_python" -c 'import torch' >/dev/null 2>&1; then
-  echo "setup: installing requirements.txt into $venv"
+  echo "setup: installing $(basename "$requirements") into $venv"
   mkdir -p "$build_dir"
   log="$build_dir/pip-install.log"
   if ! "$venv_python" -m pip install --no-input --disable-pip-version-check -r "$requirements" >"$log" 2>&1; then
     tail -n 15 "$log" >&2
-    fail "pip could not install requirements.txt into $venv (full log: $log). torch==2.13.0 comes from the machine's wheel cache for Python 3.11 ($("$venv_python" --version 2>&1) here); set FSDP_PYTHON to a Python 3.11, or remove $venv and retry."
+    fail "pip could not install $(basename "$requirements") into $venv (full log: $log). Its torch comes from the machine's wheel cache for Python 3.11 ($("$venv_python" --version 2>&1) here); set FSDP_PYTHON to a Python 3.11, or remove $venv and retry."
   fi
   echo "$wanted" >"$stamp"
 fi
@@ -115,7 +120,16 @@ torch_version_file="$(find "$torch_prefix" -maxdepth 4 -name TorchConfigVersion.
 [[ -n "$torch_version_file" ]] || fail "no TorchConfigVersion.cmake under '$torch_prefix': that is not a libtorch. Fix: unset FSDP_TORCH_PREFIX or point it at a libtorch >= $min_torch."
 torch_version="$(sed -n 's/^set(PACKAGE_VERSION "\([^"]*\)").*/\1/p' "$torch_version_file")"
 if [[ "$(printf '%s\n%s\n' "$min_torch" "$torch_version" | sort -V | head -n 1)" != "$min_torch" ]]; then
-  fail "libtorch $torch_version at $torch_prefix is too old: fsdp.cpp needs libtorch >= $min_torch. Fix: unset FSDP_TORCH_PREFIX (the venv's torch 2.13.0 is used) or point it at a newer libtorch."
+  fail "libtorch $torch_version at $torch_prefix is too old: fsdp.cpp needs libtorch >= $min_torch. Fix: unset FSDP_TORCH_PREFIX (the venv's torch is used) or point it at a newer libtorch."
+fi
+cuda_arguments=()
+if [[ "$fsdp_flavor" == cuda ]]; then
+  # Caffe2's CMake code (FindCUDA) needs a toolkit: nvcc and cuda_runtime.h. The cuBLAS and NCCL
+  # headers come from the venv's nvidia packages (CMakeLists.txt finds them).
+  cuda_home="${CUDA_HOME:-/usr/local/cuda}"
+  [[ -x "$cuda_home/bin/nvcc" && -r "$cuda_home/include/cuda_runtime.h" ]] ||
+    fail "FSDP_FLAVOR=cuda needs a CUDA toolkit (bin/nvcc and include/cuda_runtime.h) at $cuda_home, which a CUDA libtorch's CMake code looks for; none is there. Fix: install the CUDA toolkit (13.x for the torch 2.14.1 wheel) or set CUDA_HOME to it; or build the CPU flavour (unset FSDP_FLAVOR)."
+  cuda_arguments=(-DFSDP_CUDA=ON "-DCUDA_TOOLKIT_ROOT_DIR=$cuda_home")
 fi
 
 # Reconfigure from scratch when the cache points at another libtorch (say, a build made before the
@@ -128,7 +142,7 @@ fi
 jobs="${FSDP_BUILD_JOBS:-$(nproc)}"
 if [[ ! -f "$cache" ]]; then
   cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
-    "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DFSDP_TEST_PYTHON=$venv_python" ||
+    "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DFSDP_TEST_PYTHON=$venv_python" ${cuda_arguments[@]+"${cuda_arguments[@]}"} ||
     fail "CMake could not configure $build_dir (its error is above)."
 fi
 cmake --build "$build_dir" -j "$jobs"

@@ -15,6 +15,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
+#include <fsdp/sharded_grad_scaler.h>
 #include <fsdp/state_dict.h>
 
 namespace fsdp {
@@ -53,9 +54,13 @@ class Accelerator {
   bool is_main_process() const { return context_.is_main_process(); }
   int64_t process_index() const { return context_.rank(); }
   int64_t num_processes() const { return context_.world_size(); }
+  /// Where this rank computes (Accelerate's `accelerator.device`): `cuda:<LOCAL_RANK>` on a build with
+  /// the GPU path when GPUs are visible, else CPU (fsdp::default_device, which FSDP_DEVICE steers).
+  c10::Device device() const;
 
-  /// Shards `model` in place (fsdp2_prepare_model) and switches `optimizer`'s parameters to the
-  /// sharded ones. The optimizer must not have stepped yet. Collective: every rank calls it.
+  /// Moves `model` to device() (unless cpu_offload keeps its shards in host memory, or it is on the
+  /// meta device), shards it in place (fsdp2_prepare_model) and switches `optimizer`'s parameters to
+  /// the sharded ones. The optimizer must not have stepped yet. Collective: every rank calls it.
   std::shared_ptr<torch::nn::Module> prepare(const std::shared_ptr<torch::nn::Module>& model,
                                              torch::optim::Optimizer& optimizer);
   template <typename ModuleHolder>
@@ -64,8 +69,19 @@ class Accelerator {
     return model;
   }
 
-  /// Accelerate's backward: the loss divided by gradient_accumulation_steps, then backward.
+  /// Accelerate's backward: the loss divided by gradient_accumulation_steps, scaled by the gradient
+  /// scaler when there is one, then backward.
   void backward(const torch::Tensor& loss);
+  /// The fp16 gradient scaler (Accelerate's `accelerator.scaler`, a ShardedGradScaler under FSDP):
+  /// made when mixed_precision is "fp16" and device() is a GPU; null otherwise (fp16 on the CPU runs
+  /// without one, as Accelerate does there).
+  ShardedGradScaler* scaler() { return scaler_ ? &*scaler_ : nullptr; }
+  /// Steps the prepared optimizer, as Accelerate's AcceleratedOptimizer.step(): through the scaler
+  /// (unscale, skip on inf or NaN on any rank, update the scale) when there is one. Returns whether
+  /// the optimizer stepped. Collective with a scaler.
+  bool step();
+  /// Whether the last step() was skipped for inf or NaN gradients (accelerator.optimizer_step_was_skipped).
+  bool optimizer_step_was_skipped() const { return step_was_skipped_; }
 
   /// One micro-batch of gradient accumulation (Accelerate's `with accelerator.accumulate(model)`):
   /// gradients are reduced across ranks only on the last micro-batch of each optimizer step, when
@@ -85,7 +101,8 @@ class Accelerator {
   bool sync_gradients() const { return sync_gradients_; }
   int64_t gradient_accumulation_steps() const { return gradient_accumulation_steps_; }
 
-  /// Global gradient norm of the prepared model, clipped to max_norm (fsdp::clip_grad_norm_).
+  /// Global gradient norm of the prepared model, clipped to max_norm (fsdp::clip_grad_norm_); with a
+  /// scaler the gradients are unscaled first, as Accelerate's clip_grad_norm_ does.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
   /// Every rank's tensor concatenated on dim 0 (all ranks pass the same shape). Collective.
   at::Tensor gather(const at::Tensor& tensor) const;
@@ -128,6 +145,9 @@ class Accelerator {
   int64_t gradient_accumulation_steps_ = 1;
   int64_t micro_step_ = 0;
   bool sync_gradients_ = true;
+  std::optional<ShardedGradScaler> scaler_;
+  bool step_was_skipped_ = false;
+  bool unscaled_this_step_ = false;
   std::string project_dir_;
   int64_t total_limit_ = 0;
 };

@@ -7,6 +7,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
+#include <fsdp/device.h>
 #include <fsdp/distributed_environment.h>
 #include <fsdp/fsdp2_prepare.h>
 #include <fsdp/fully_shard.h>
@@ -22,6 +23,7 @@
 #include <fsdp/sharding_options.h>
 #include <fsdp/dcp.h>
 #include <fsdp/sharded_checkpoint.h>
+#include <fsdp/sharded_grad_scaler.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/state_dict_options.h>
 #include <fsdp/torch_file.h>

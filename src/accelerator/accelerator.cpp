@@ -12,6 +12,7 @@
 
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
+#include <fsdp/device.h>
 #include <fsdp/fsdp2_prepare.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/host_memory.h>
@@ -48,7 +49,11 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
                                 : FullyShardedDataParallelPlugin(FullyShardedDataParallelPluginArgs{}, environment);
   // As AcceleratorState does: the accelerator's precision fills a plugin that has no policy.
   if (mixed_precision_ != "no") plugin_.set_mixed_precision(mixed_precision_);
+  // Accelerate's fp16 on an accelerator: a ShardedGradScaler over the whole job under FSDP.
+  if (mixed_precision_ == "fp16" && device().is_cuda()) scaler_.emplace(context_.world());
 }
+
+c10::Device Accelerator::device() const { return default_device(context_.environment().local_rank); }
 
 std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<torch::nn::Module>& model,
                                                         torch::optim::Optimizer& optimizer) {
@@ -57,6 +62,16 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
               "Accelerator::prepare: the optimizer has already stepped, so its state has the shapes of the full "
               "parameters. Create the optimizer, then prepare it with the model before the first step");
   agree_on_preparation(*model, optimizer);
+  // Accelerate places the model on accelerator.device before FSDP2 shards it. The move keeps each
+  // parameter's identity (Module::to sets the data in place), so the optimizer's slots, which share
+  // the parameters, see the new addresses below. Under cpu_offload the shards go to host memory
+  // whatever the model's device, and a model on the meta device is materialized by fully_shard.
+  const auto target = device();
+  if (!target.is_cpu() && !plugin_.cpu_offload.offload_params) {
+    bool on_meta = false;
+    for (const auto& parameter : model->parameters()) on_meta = on_meta || parameter.is_meta();
+    if (!on_meta) model->to(target);
+  }
   // Spec §3.4 steps 6-11: remember each optimizer slot's parameter by its data pointer, let the
   // slots point at nothing so sharding can free the full tensors, shard, then map back by name.
   // A parameter without memory (built on the meta device, or empty) has no data pointer of its own:
@@ -152,6 +167,11 @@ CheckpointOptions checkpoint_options_from_plugin(const FullyShardedDataParallelP
 
 void Accelerator::save_state(const std::string& directory, const TrainingProgress& progress) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::save_state: prepare(model, optimizer) first");
+  if (scaler_) {
+    TORCH_WARN_ONCE("Accelerator::save_state: the fp16 gradient scaler's state (Accelerate's scaler.pt) is not saved "
+                    "yet; a run resumed from this checkpoint starts again from the initial scale ",
+                    scaler_->options().init_scale);
+  }
   save_checkpoint(directory, *model_, *optimizer_, context_, progress, checkpoint_options_from_plugin(plugin_));
 }
 
@@ -204,12 +224,31 @@ Accelerator::AccumulateScope::~AccumulateScope() {
 }
 
 void Accelerator::backward(const torch::Tensor& loss) {
-  (gradient_accumulation_steps_ > 1 ? loss / static_cast<double>(gradient_accumulation_steps_) : loss).backward();
+  auto divided = gradient_accumulation_steps_ > 1 ? loss / static_cast<double>(gradient_accumulation_steps_) : loss;
+  (scaler_ ? scaler_->scale(divided) : divided).backward();
 }
 
 double Accelerator::clip_grad_norm_(double max_norm, double norm_type) {
   TORCH_CHECK(model_, "Accelerator::clip_grad_norm_: prepare(model, optimizer) first");
+  if (scaler_ && optimizer_ && !unscaled_this_step_) {
+    scaler_->unscale_(*optimizer_);
+    unscaled_this_step_ = true;
+  }
   return fsdp::clip_grad_norm_(*model_, max_norm, norm_type);
+}
+
+bool Accelerator::step() {
+  TORCH_CHECK(optimizer_, "Accelerator::step: prepare(model, optimizer) first");
+  step_was_skipped_ = false;
+  unscaled_this_step_ = false;
+  if (!scaler_) {
+    optimizer_->step();
+    return true;
+  }
+  const bool stepped = scaler_->step(*optimizer_);
+  scaler_->update();
+  step_was_skipped_ = !stepped;
+  return stepped;
 }
 
 at::Tensor Accelerator::gather(const at::Tensor& tensor) const {

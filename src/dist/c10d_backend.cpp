@@ -1,4 +1,5 @@
-// The only file that talks to c10d: rendezvous store, Gloo process groups and every collective.
+// The only file that talks to c10d: rendezvous store, Gloo process groups, NCCL process groups (a
+// CUDA build: Note [The GPU path] in docs/design.md) and every collective.
 //
 // Note [Collectives on Gloo] in docs/design.md says what each collective is built from and why, and
 // Note [Reaching Gloo from the torch wheel] how this file compiles against a libtorch that ships no
@@ -11,6 +12,10 @@
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
+#ifdef FSDP_WITH_CUDA
+#include <c10/core/DeviceGuard.h>
+#include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+#endif
 
 #include <netdb.h>
 #include <sys/socket.h>
@@ -37,6 +42,14 @@ struct BackendStore {
 
 struct BackendGroup {
   c10::intrusive_ptr<c10d::ProcessGroupGloo> group;
+  // The group's store, for the NCCL group made on its first CUDA collective.
+  c10::intrusive_ptr<c10d::Store> store;
+#ifdef FSDP_WITH_CUDA
+  // Note [The GPU path]: the same members over NCCL, for CUDA tensors. Made on the group's first
+  // CUDA collective, which every member issues at the same point of its program (collectives are
+  // issued in the same order everywhere), so every member makes it together.
+  c10::intrusive_ptr<c10d::ProcessGroupNCCL> nccl;
+#endif
 };
 
 struct CollectiveWorkState {
@@ -184,6 +197,7 @@ std::shared_ptr<ProcessGroupState> create_process_group(const std::shared_ptr<Ba
                 state->size, " ranks failed: ", error.what(),
                 ". Every member must start with the same WORLD_SIZE and LOCAL_WORLD_SIZE; check the other ranks' logs.");
   }
+  backend->store = prefixed;
   state->backend = std::move(backend);
   return state;
 }
@@ -208,8 +222,16 @@ std::string describe(const ProcessGroupState& group, const char* operation, cons
 void check_buffer(const ProcessGroupState& group, const char* operation, const char* role, const at::Tensor& tensor) {
   TORCH_CHECK(tensor.defined(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
               " tensor is undefined; pass an allocated buffer.");
-  TORCH_CHECK(tensor.device().is_cpu(), "[rank ", group.global_rank, "] ", operation, ": the ", role, " tensor is on ",
-              tensor.device(), " but this build's Gloo groups move CPU tensors; move it with .cpu().");
+  if (!tensor.device().is_cpu()) {
+#ifdef FSDP_WITH_CUDA
+    TORCH_CHECK(tensor.is_cuda(), "[rank ", group.global_rank, "] ", operation, ": the ", role, " tensor is on ",
+                tensor.device(), "; fsdp.cpp's groups move CPU tensors (Gloo) and CUDA tensors (NCCL).");
+#else
+    TORCH_CHECK(false, "[rank ", group.global_rank, "] ", operation, ": the ", role, " tensor is on ", tensor.device(),
+                " but this build of fsdp.cpp has no GPU path: its groups move CPU tensors. Move it with .cpu(), or "
+                "build fsdp.cpp against a CUDA libtorch (README, 'The GPU path').");
+#endif
+  }
   TORCH_CHECK(tensor.is_contiguous(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
               " tensor must be contiguous (got strides ", tensor.strides(), "); call .contiguous() first.");
 }
@@ -257,6 +279,41 @@ c10d::ProcessGroupGloo& gloo(const ProcessGroupState& group) {
   TORCH_INTERNAL_ASSERT(group.backend && group.backend->group, "group '", group.name, "' has no backend");
   return *group.backend->group;
 }
+
+// Both buffers of a collective on one device: NCCL moves device memory and Gloo host memory, and
+// one collective cannot mix them.
+void check_same_device(const ProcessGroupState& group, const char* operation, const at::Tensor& output,
+                       const at::Tensor& input) {
+  TORCH_CHECK(output.device() == input.device(), "[rank ", group.global_rank, "] ", operation, " on group '",
+              group.name, "': the output is on ", output.device(), " but the input on ", input.device(),
+              "; put both on the device the collective runs on.");
+}
+
+#ifdef FSDP_WITH_CUDA
+// Note [The GPU path]: the NCCL group of `group` for a collective on `tensor`'s GPU, made on first
+// use. The current device is set to the tensor's for the call, so NCCL binds this rank's
+// communicator to its own GPU.
+c10d::ProcessGroupNCCL& nccl(ProcessGroupState& group, const at::Tensor& tensor) {
+  auto& backend = *group.backend;
+  if (!backend.nccl) {
+    auto options = c10d::ProcessGroupNCCL::Options::create();
+    options->timeout = group.timeout;
+    auto store = c10::make_intrusive<c10d::PrefixStore>("nccl", backend.store);
+    try {
+      backend.nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(group.rank),
+                                                                 static_cast<int>(group.size), options);
+    } catch (const std::exception& error) {
+      TORCH_CHECK(false, "[rank ", group.global_rank, "] creating the NCCL group of '", group.name, "' (", group.size,
+                  " ranks) for a collective on ", tensor.device(), " failed: ", error.what(),
+                  ". Every rank needs a GPU of its own (one per LOCAL_RANK) and a working NCCL; NCCL_DEBUG=INFO "
+                  "says more.");
+    }
+  }
+  return *backend.nccl;
+}
+
+bool on_gpu(const at::Tensor& tensor) { return tensor.defined() && tensor.is_cuda(); }
+#endif
 
 // Posts, for every peer, a receive of its chunk into `received_chunk(peer)` and a send of
 // `sent_chunk(peer)` to it. Point-to-point Gloo sends and receives move bytes straight between the
@@ -571,6 +628,17 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
   check_frames(group, FrameKind::kAllGather, input, 0, describe(group, "all_gather", output));
   if (input.numel() == 0) return completed_work();
 
+  check_same_device(group, "all_gather", output, input);
+#ifdef FSDP_WITH_CUDA
+  if (on_gpu(input)) {
+    const c10::DeviceGuard device_guard(input.device());
+    at::Tensor output_handle = as_bytes(output);  // c10d takes non-const handles to the same memory
+    at::Tensor input_handle = as_bytes(input);
+    auto work = nccl(group, input)._allgather_base(output_handle, input_handle);
+    group.bytes_all_gather += (group.size - 1) * input_handle.numel();
+    return pending_work(group, std::move(work), describe(group, "all_gather", output));
+  }
+#endif
   auto input_bytes = as_bytes(input);
   auto output_bytes = as_bytes(output);
   const int64_t shard_bytes = input_bytes.numel();
@@ -618,6 +686,27 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
     finish_rows(send.view({1, shard_numel}));
     return completed_work();
   }
+  check_same_device(group, "reduce_scatter", output, input);
+#ifdef FSDP_WITH_CUDA
+  if (on_gpu(input)) {
+    // NCCL reduces in the buffer's dtype (bf16 sums in bf16, as PyTorch's FSDP2 does on GPUs); the
+    // post-divide runs on the stream that waits for the result.
+    TORCH_CHECK(input.scalar_type() != at::kBool, "[rank ", group.global_rank,
+                "] reduce_scatter of bool on a GPU: NCCL has no bool; reduce a uint8 copy instead.");
+    const c10::DeviceGuard device_guard(input.device());
+    c10d::ReduceScatterOptions reduce_options;
+    reduce_options.reduceOp = to_c10d(options.op);
+    at::Tensor output_handle = output.reshape({-1});
+    at::Tensor input_handle = send.contiguous();
+    auto work = nccl(group, input)._reduce_scatter_base(output_handle, input_handle, reduce_options);
+    group.bytes_reduce_scatter += (group.size - 1) * shard_numel * input.element_size();
+    const double post_divide = options.post_divide_factor;
+    return pending_work(group, std::move(work), describe(group, "reduce_scatter", input),
+                        [output_handle, input_handle, post_divide] {
+                          if (post_divide != 1.0) output_handle.div_(post_divide);
+                        });
+  }
+#endif
 
   // Row r of `received` is rank r's chunk for this rank: (N-1)/N of the buffer crosses the wire.
   // From the pool of unit-sized blocks: a fresh buffer costs a page fault per 4 KiB (31 ms for 64 MB
@@ -654,6 +743,21 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
   check_frames(group, FrameKind::kAllReduce, tensor, static_cast<int64_t>(op), describe(group, "all_reduce", tensor));
   if (tensor.numel() == 0) return completed_work();
   const int64_t bytes = tensor.numel() * tensor.element_size();
+#ifdef FSDP_WITH_CUDA
+  if (on_gpu(tensor)) {
+    const c10::DeviceGuard device_guard(tensor.device());
+    // NCCL has no bool: a uint8 copy, with max for "any" (sum, max) and min for "all".
+    const bool as_uint8 = tensor.scalar_type() == at::kBool;
+    std::vector<at::Tensor> tensors{as_uint8 ? tensor.to(at::kByte) : tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = as_uint8 && op == ReduceOp::kSum ? c10d::ReduceOp::MAX : to_c10d(op);
+    auto work = nccl(group, tensor).allreduce(tensors, options);
+    group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
+    std::function<void()> finish;
+    if (as_uint8) finish = [tensor, copy = tensors.front()] { tensor.copy_(copy); };
+    return pending_work(group, std::move(work), describe(group, "all_reduce", tensor), std::move(finish));
+  }
+#endif
   if (gloo_reduces_natively(tensor.scalar_type())) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
@@ -698,7 +802,13 @@ CollectiveWork broadcast_async(const ProcessGroup& group_handle, const at::Tenso
   std::vector<at::Tensor> tensors{as_bytes(tensor)};
   c10d::BroadcastOptions options;
   options.rootRank = root;
+#ifdef FSDP_WITH_CUDA
+  std::optional<c10::DeviceGuard> device_guard;
+  if (on_gpu(tensor)) device_guard.emplace(tensor.device());
+  auto work = on_gpu(tensor) ? nccl(group, tensor).broadcast(tensors, options) : gloo(group).broadcast(tensors, options);
+#else
   auto work = gloo(group).broadcast(tensors, options);
+#endif
   if (group.rank == root) group.bytes_broadcast += (group.size - 1) * tensor.numel() * tensor.element_size();
   return pending_work(group, std::move(work), describe(group, "broadcast", tensor));
 }

@@ -27,7 +27,7 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
   // outside every unit) hold the full gradient on every rank and count once. The totals stay tensors
   // on the gradients' device until the end: one host read per call, not one per gradient (on a GPU
   // each would be a sync).
-  const c10::Device device = units.empty() ? c10::Device(c10::kCPU) : detail::group_of(units.front()).device();
+  const c10::Device device = units.empty() ? c10::Device(c10::kCPU) : detail::group_of(units.front()).storage_device();
   const auto scalar_options = at::TensorOptions().dtype(at::kDouble).device(device);
   at::Tensor sharded_total = at::zeros({1}, scalar_options);
   at::Tensor local_total = at::zeros({1}, scalar_options);

@@ -8,7 +8,7 @@ void all_gather_copy_in(const std::vector<FSDPParam>& parameters, const at::Tens
   for (const auto& parameter : parameters) {
     row.narrow(0, parameter.all_gather_offset_bytes, parameter.padded_shard_bytes())
         .view(parameter.compute_dtype)
-        .copy_(parameter.sharded_padded);
+        .copy_(parameter.sharded_padded, /*non_blocking=*/row.device() != parameter.sharded_padded.device());
   }
 }
 

@@ -51,7 +51,10 @@ struct FSDPParam {
   /// go into `sharded_padded` and the parameter's data becomes `sharded_data`, releasing the full
   /// tensor. A parameter without memory (a released storage: this build's meta device) gets a zero
   /// shard that a state-dict load fills.
-  void init_sharded(int64_t shard_size, int64_t shard_rank, const std::optional<c10::ScalarType>& param_dtype);
+  /// With `offload_pin_memory` set the shard is kept in host memory (pinned when true and a GPU is
+  /// present: cpu_offload), wherever the parameter was.
+  void init_sharded(int64_t shard_size, int64_t shard_rank, const std::optional<c10::ScalarType>& param_dtype,
+                    std::optional<bool> offload_pin_memory = std::nullopt);
   /// Bytes of this parameter's padded shard in the compute dtype: its width in an all-gather row.
   int64_t padded_shard_bytes() const;
   /// Points the registered parameter at its shard (FSDP2's to_sharded).

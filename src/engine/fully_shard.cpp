@@ -8,6 +8,7 @@
 #include <unordered_set>
 
 #include <fsdp/collectives.h>
+#include <fsdp/device.h>
 #include <fsdp/meta_device.h>
 
 #include "dist/agreement.h"
@@ -266,8 +267,16 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       if (!tensor.defined()) continue;
       const auto* impl = tensor.unsafeGetTensorImpl();
       if (ignored.count(impl) || !seen.insert(impl).second || already_managed.count(impl)) continue;
-      TORCH_CHECK(tensor.device().is_cpu(), detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(), "' is on ",
-                  tensor.device(), "; this build of fsdp.cpp computes on CPU. Move the model to CPU first");
+      TORCH_CHECK(tensor.device().is_cpu() || (tensor.is_cuda() && built_with_cuda()), detail::on_rank(context),
+                  "fully_shard: parameter '", prefix + item.key(), "' is on ", tensor.device(), "; ",
+                  built_with_cuda() ? "fsdp.cpp computes on CPU and CUDA devices"
+                                    : "this build of fsdp.cpp computes on CPU (build it against a CUDA libtorch for GPUs)",
+                  ". Move the model to ", built_with_cuda() ? "fsdp::default_device(local_rank)" : "CPU", " first");
+      TORCH_CHECK(parameters.empty() || parameters.front().parameter.device() == tensor.device(), detail::on_rank(context),
+                  "fully_shard: parameter '", prefix + item.key(), "' is on ", tensor.device(), " but '",
+                  parameters.empty() ? std::string() : parameters.front().name, "' of the same unit is on ",
+                  parameters.empty() ? tensor.device() : parameters.front().parameter.device(),
+                  "; a unit computes on one device. Move the whole model there first");
       detail::FSDPParam parameter;
       parameter.name = prefix + item.key();
       parameter.parameter = tensor;

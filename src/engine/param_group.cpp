@@ -8,10 +8,12 @@
 #include <sstream>
 
 #include <fsdp/collectives.h>
+#include <fsdp/device.h>
 
 #include "dist/control_channel.h"
 #include "engine/fsdp_collectives.h"
 #include "memory/buffer_pool.h"
+#include "memory/device.h"
 
 namespace fsdp::detail {
 namespace {
@@ -140,20 +142,33 @@ void ParamGroup::initialize() {
     }
   }
 
-  unshard_is_identity_ = shard_size == 1;
-  device_ = parameters_.empty() ? c10::Device(c10::kCPU) : parameters_.front().parameter.device();
+  const c10::Device parameter_device =
+      parameters_.empty() ? c10::Device(c10::kCPU) : parameters_.front().parameter.device();
   for (const auto& parameter : parameters_) {
-    TORCH_INTERNAL_ASSERT(parameter.parameter.device() == device_, description(), ": parameter '", parameter.name,
-                          "' is on ", parameter.parameter.device(), " but the unit on ", device_,
-                          " (fully_shard checks one device per model)");
+    TORCH_INTERNAL_ASSERT(parameter.parameter.device() == parameter_device, description(), ": parameter '",
+                          parameter.name, "' is on ", parameter.parameter.device(), " but the unit on ",
+                          parameter_device, " (fully_shard checks one device per unit)");
   }
+  // A unit computes on its parameters' device. Under cpu_offload its shards live in host memory and
+  // it computes on the GPU its parameters came from, or this rank's default device (FSDP2 moves an
+  // offloaded model's shards to the CPU and computes on the mesh's device); with no GPU at all, the
+  // shards are in host memory already and offload holds by construction.
+  device_ = parameter_device;
+  storage_device_ = parameter_device;
+  if (options_.offload.offload_params) {
+    if (!device_.is_cuda()) device_ = default_device(context_.environment().local_rank);
+    storage_device_ = c10::Device(c10::kCPU);
+  }
+  offloaded_ = device_ != storage_device_;
+  unshard_is_identity_ = shard_size == 1 && !offloaded_;
   int64_t all_gather_bytes = 0;
   int64_t unsharded_bytes = 0;
   for (auto& parameter : parameters_) {
     TORCH_CHECK(!parameter.parameter.grad().defined(), on_rank(), "fully_shard: parameter '", parameter.name,
                 "' already has a gradient of the full shape, which the sharded parameter cannot keep. Reset it first "
                 "(parameter.mutable_grad() = torch::Tensor(), or build the optimizer after sharding)");
-    parameter.init_sharded(shard_size, rank, options_.mixed_precision.param_dtype);
+    parameter.init_sharded(shard_size, rank, options_.mixed_precision.param_dtype,
+                           offloaded_ ? std::optional<bool>(options_.offload.pin_memory) : std::nullopt);
     if (parameter.compute_dtype != parameter.original_dtype) unshard_is_identity_ = false;
     // Every parameter's shard at an aligned offset of one all-gather row, and its N shards at an
     // aligned offset of the unsharded buffer.
@@ -232,15 +247,26 @@ void ParamGroup::unshard(bool async_op) {
     sharded_state_ = ShardedState::kUnsharded;
     return;
   }
-  auto input = pooled_bytes(all_gather_row_bytes_, device_);
-  all_gather_copy_in(parameters_, input);
-  const ActivityScope activity(activity_text());
+  // On a GPU the copy-in and the issue run on the all-gather stream, which first waits for the
+  // compute stream's work so far (the optimizer step wrote the shards): Note [streams of a unit],
+  // src/memory/device.h. Both rows are allocated there. On CPU there are no streams.
+  std::optional<c10::Stream> all_gather_stream;
+  if (has_streams(device_)) {
+    all_gather_stream = side_stream(device_, SideStream::kAllGather);
+    stream_wait_stream(*all_gather_stream, current_stream(device_));
+  }
   PendingUnshard pending;
-  pending.output = pooled_bytes(shard_size * all_gather_row_bytes_, device_);
-  pending.work = all_gather_async(*shard_group_, pending.output, input);
-  // Nothing here reads the row again; the pool hands it out once the transport is done with it.
-  auto work = pending.work;
-  return_pooled_bytes_after(input, [work] { return work.query(); });
+  {
+    const StreamScope on_all_gather_stream(all_gather_stream);
+    auto input = pooled_bytes(all_gather_row_bytes_, device_);
+    all_gather_copy_in(parameters_, input);
+    const ActivityScope activity(activity_text());
+    pending.output = pooled_bytes(shard_size * all_gather_row_bytes_, device_);
+    pending.work = all_gather_async(*shard_group_, pending.output, input);
+    // Nothing here reads the row again; the pool hands it out once the transport is done with it.
+    auto work = pending.work;
+    return_pooled_bytes_after(input, [work] { return work.query(); });
+  }
   unshard_in_flight_ = std::move(pending);
   if (!async_op) wait_for_unshard();
 }
@@ -256,7 +282,10 @@ void ParamGroup::wait_for_unshard() {
     return_pooled_bytes(unsharded_buffer_);
     throw;
   }
+  // The wait made the compute stream wait for the all-gather; the copy-out runs there, so the rows
+  // (allocated on the all-gather stream) are recorded on it before they go back.
   all_gather_copy_out(pending.output, shard_world_size(), parameters_, unsharded_buffer_);
+  if (has_streams(device_)) record_stream(pending.output, current_stream(device_));
   return_pooled_bytes(pending.output);
   for (auto& parameter : parameters_) parameter.to_unsharded();
   sharded_state_ = ShardedState::kUnsharded;
@@ -315,6 +344,11 @@ void ParamGroup::begin_iteration() {
   refresh_trainable_parameters();
   for (auto& parameter : parameters_) {
     parameter.stashed_sharded_gradient = parameter.parameter.grad();
+    // Under cpu_offload the gradient of an earlier micro-batch (no_sync) is in host memory; this
+    // iteration's reductions add to it on the device, and end_iteration brings it back.
+    if (offloaded_ && parameter.stashed_sharded_gradient.defined()) {
+      parameter.stashed_sharded_gradient = parameter.stashed_sharded_gradient.to(device_);
+    }
     parameter.had_gradient_before_iteration = parameter.stashed_sharded_gradient.defined();
     parameter.gradient_stashed = true;
     if (parameter.stashed_sharded_gradient.defined()) parameter.parameter.mutable_grad() = at::Tensor();
@@ -342,6 +376,11 @@ void ParamGroup::end_iteration(const bool* had_gradient, bool check) {
     const bool reduced = parameter.requires_grad && had_gradient != nullptr && had_gradient[trainable_index];
     if (parameter.requires_grad) ++trainable_index;
     if (!reduced && !parameter.had_gradient_before_iteration) parameter.stashed_sharded_gradient = at::Tensor();
+    // cpu_offload: the optimizer steps the shards in host memory, so their gradients go there
+    // (a synchronous copy: the step on the host reads them next).
+    if (offloaded_ && parameter.stashed_sharded_gradient.defined()) {
+      parameter.stashed_sharded_gradient = parameter.stashed_sharded_gradient.to(storage_device_);
+    }
     parameter.parameter.mutable_grad() = parameter.gradient_stashed ? parameter.stashed_sharded_gradient : at::Tensor();
     parameter.stashed_sharded_gradient = at::Tensor();
     parameter.gradient_stashed = false;
@@ -408,6 +447,16 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
   const double post_divide = static_cast<double>(data_parallel_size) / pre_divide;
   const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
 
+  // On a GPU the copy-in and the reduction run on the reduce-scatter stream, after the compute
+  // stream's work so far (which produced the gradients), so they overlap the next unit's backward.
+  // The gradients, made on the compute stream, are recorded on it: Note [streams of a unit].
+  std::optional<c10::Stream> reduce_scatter_stream;
+  if (has_streams(device_)) {
+    reduce_scatter_stream = side_stream(device_, SideStream::kReduceScatter);
+    stream_wait_stream(*reduce_scatter_stream, current_stream(device_));
+    for (const auto& gradient : unsharded_gradients) record_stream(gradient, *reduce_scatter_stream);
+  }
+  const StreamScope on_reduce_scatter_stream(reduce_scatter_stream);
   auto reduce_scatter_input = pooled_bytes(shard_size * reduce_row_numel_ * element_size(*reduce_dtype_), device_)
                                   .view(*reduce_dtype_)
                                   .view({shard_size, reduce_row_numel_})
@@ -445,6 +494,9 @@ void ParamGroup::finish_reduction() {
   at::NoGradGuard no_grad;
   if (pending.work) pending.work->wait();
   auto& reduce_scatter_output = pending.output;
+  // Made on the reduce-scatter stream, read from here on on the compute stream (the wait made it
+  // wait for the reduction).
+  if (has_streams(device_)) record_stream(reduce_scatter_output, current_stream(device_));
   if (pending.post_divide != 1.0) reduce_scatter_output.div_(pending.post_divide);
   // Whether any rank had a gradient, per trainable parameter, kept on the device: the host reads
   // every unit's flags once, at the end of the iteration (Note [gradient flags]).

@@ -197,8 +197,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   /// host (null when the unit reduced nothing). With `check`, a gradient written on a sharded
   /// parameter (a unit called without fsdp::forward) is reported after the state is restored.
   void end_iteration(const bool* had_gradient, bool check = true);
-  /// The device of the unit's parameters: where its buffers and collectives live.
+  /// The device the unit computes on: where its unsharded parameters, its collective buffers and its
+  /// collectives live. Its parameters' device, or with cpu_offload default_device(local rank).
   c10::Device device() const { return device_; }
+  /// Where the sharded parameters, their gradients and so the optimizer step live: device(), or host
+  /// memory under cpu_offload.
+  c10::Device storage_device() const { return storage_device_; }
 
  private:
   /// Which parameters take part in gradient reduction (those that require grad now) and where.
@@ -223,6 +227,9 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   at::Tensor unsharded_buffer_;
   ShardedState sharded_state_ = ShardedState::kSharded;
   c10::Device device_{c10::kCPU};
+  c10::Device storage_device_{c10::kCPU};
+  /// cpu_offload with a GPU to compute on: shards and gradients cross between host and device.
+  bool offloaded_ = false;
   at::Tensor gradient_flags_;
   bool is_root_ = false;
   std::optional<bool> reshard_after_forward_override_;

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/CPUAllocator.h>
+#include <c10/core/DeviceGuard.h>
 
 #include <deque>
 #include <mutex>
@@ -32,6 +33,9 @@ Pool& pool() {
 }
 
 void add_free_block(Pool& state, at::DataPtr block, int64_t nbytes) {
+  // Device memory goes back to the device's caching allocator, which reuses it in stream order
+  // (Note [streams of a unit], src/memory/device.h); the pool keeps host blocks only.
+  if (block.device().type() != c10::kCPU) return;
   state.free_blocks.push_back(FreeBlock{nbytes, std::move(block)});
   if (state.free_blocks.size() > kMaxKeptBlocks) state.free_blocks.pop_front();  // freed here
 }
@@ -55,7 +59,11 @@ void poll_busy_blocks(Pool& state) {
 }  // namespace
 
 at::DataPtr take_pooled_block(int64_t nbytes, c10::Device device) {
-  TORCH_INTERNAL_ASSERT(device.is_cpu(), "the buffer pool holds host blocks, not ", device, " memory");
+  if (!device.is_cpu()) {
+    // From the device's caching allocator, on the current stream: the pool keeps no device blocks.
+    const c10::DeviceGuard guard(device);
+    return c10::GetAllocator(device.type())->allocate(static_cast<size_t>(nbytes));
+  }
   {
     auto& state = pool();
     std::lock_guard<std::mutex> lock(state.mutex);

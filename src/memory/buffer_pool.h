@@ -18,7 +18,8 @@ namespace fsdp::detail {
 constexpr size_t kMaxKeptBlocks = 6;
 
 /// A block of exactly `nbytes` bytes on `device`, reused if one of that size is free. The pool holds
-/// host blocks; a unit on another device is refused by fully_shard before it gets here.
+/// host blocks; a GPU block comes from the device's caching allocator on the current stream and goes
+/// back to it when returned (the allocator reuses it in stream order).
 at::DataPtr take_pooled_block(int64_t nbytes, c10::Device device = c10::kCPU);
 /// Gives a block obtained from take_pooled_block back for reuse.
 void return_pooled_block(at::DataPtr block, int64_t nbytes);

@@ -20,7 +20,8 @@ std::pair<torch::Tensor, torch::Tensor> rotary(int64_t length, int64_t head_dim,
   auto positions = torch::arange(length, torch::kFloat);
   auto frequencies = torch::outer(positions, inverse_frequency);
   auto embedding = torch::cat({frequencies, frequencies}, -1);
-  return {embedding.cos().to(options.dtype()), embedding.sin().to(options.dtype())};
+  // Computed on the host in fp32, as transformers computes inv_freq, then moved to the activations' device.
+  return {embedding.cos().to(options.device(), options.dtype()), embedding.sin().to(options.device(), options.dtype())};
 }
 
 nlohmann::json required(const nlohmann::json& config, const char* key, const std::string& source) {
@@ -207,7 +208,7 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden) {
     value = value.repeat_interleave(heads / kv_heads, 1);
   }
   auto scores = torch::matmul(query, key.transpose(2, 3)) / std::sqrt(static_cast<double>(head_dim));
-  auto mask = torch::ones({length, length}, torch::kBool).triu(1);
+  auto mask = torch::ones({length, length}, torch::TensorOptions().dtype(torch::kBool).device(scores.device())).triu(1);
   scores = scores.masked_fill(mask, -std::numeric_limits<float>::infinity());
   auto weights = torch::softmax(scores.to(torch::kFloat), -1).to(query.scalar_type());
   auto output = torch::matmul(weights, value).transpose(1, 2).reshape({batch, length, heads * head_dim});

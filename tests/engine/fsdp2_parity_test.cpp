@@ -9,11 +9,14 @@
 // FSDP2 on a 2 x 2 device mesh; gradient accumulation (no gradient sync for the first micro-batch of
 // two); bf16 parameters with fp32 reduction (MixedPrecisionPolicy). The Fsdp1_ cases run
 // fsdp_version=1 through the Accelerator against PyTorch FSDP1 (FullyShardedDataParallel) as
-// Accelerate builds it from the same plugin. Tolerances are at kTolerance's comment.
+// Accelerate builds it from the same plugin. Tolerances are at kTolerance's comment. The GpuCases
+// run the same comparison on CUDA devices, one per rank, against FSDP2 over NCCL on the same GPU
+// count (skipped where fewer GPUs are visible; scripts/gpu-check.sh runs them on a GPU machine).
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <functional>
 #include <map>
@@ -78,6 +81,8 @@ struct ParityCase {
   /// fsdp_version=1 through the Accelerator (its FSDP1 units: the blocks and the root) against
   /// PyTorch FSDP1 as Accelerate builds it from the same plugin.
   bool fsdp1 = false;
+  /// On cuda:<local rank> (the C++ side over NCCL, FSDP2 over NCCL), instead of the CPU and Gloo.
+  bool gpu = false;
 };
 // ctest's test names (CMake 3.25) carry the printed parameter: the case's name keeps them stable.
 void PrintTo(const ParityCase& parity, std::ostream* out) { *out << parity.name; }
@@ -91,6 +96,7 @@ std::string case_json(const ParityCase& parity) {
   json["bf16"] = parity.bf16;
   json["clip"] = kMaxNorm;
   json["fsdp1"] = parity.fsdp1;
+  json["device"] = parity.gpu ? "cuda" : "cpu";
   return json.dump();
 }
 
@@ -182,12 +188,17 @@ void write_inputs(const std::string& directory, const ParityCase& parity) {
 }
 
 void train_with_fsdp_cpp(const DistributedContext& context, const std::string& directory, const ParityCase& parity) {
+  // The CPU cases stay on the CPU also on a machine with GPUs (the Accelerator would move the model
+  // to its default device).
+  if (!parity.gpu) ::setenv("FSDP_DEVICE", "cpu", 1);
+  const c10::Device device = parity.gpu ? default_device(context.environment().local_rank) : c10::Device(c10::kCPU);
   auto model = build_model(parity.llama);
   {
     torch::NoGradGuard no_grad;
     SafetensorsReader initial(directory + "/initial.safetensors");
     for (auto& item : model.root->named_parameters()) item.value().copy_(initial.tensor(item.key()));
   }
+  model.root->to(device);
   const auto adamw = torch::optim::AdamWOptions(1e-2).weight_decay(0.01);
   std::unique_ptr<torch::optim::AdamW> optimizer;
   std::optional<Accelerator> accelerator;
@@ -228,9 +239,10 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
   const int64_t micro = rows / parity.accumulation;
   std::vector<double> losses, norms;
   for (int step = 0; step < kSteps; ++step) {
-    const auto x = batches.tensor("x." + std::to_string(step)).narrow(0, context.rank() * rows, rows);
-    const auto y = parity.llama ? x : batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows);
-    auto total = torch::zeros({1});
+    const auto x = batches.tensor("x." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(device);
+    const auto y =
+        parity.llama ? x : batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(device);
+    auto total = torch::zeros({1}, torch::TensorOptions().device(device));
     for (int index = 0; index < parity.accumulation; ++index) {
       root.set_requires_gradient_sync(index == parity.accumulation - 1);
       auto loss = model.loss(x.narrow(0, index * micro, micro), y.narrow(0, index * micro, micro)) / parity.accumulation;
@@ -248,6 +260,7 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
   StateDictConfig config;
   config.rank0_only = true;
   auto full = full_model_state_dict(*model.root, config);
+  for (auto& entry : full) entry.second = entry.second.cpu();
   if (context.rank() == 0) {
     full.emplace_back("loss", torch::tensor(losses, torch::kDouble));
     full.emplace_back("norm", torch::tensor(norms, torch::kDouble));
@@ -333,6 +346,10 @@ class Fsdp2Parity : public ::testing::TestWithParam<ParityCase> {};
 
 TEST_P(Fsdp2Parity, LossesNormsAndFinalWeightsMatchPyTorchFsdp2) {
   const auto parity = GetParam();
+  if (parity.gpu && cuda_device_count() < parity.world_size) {
+    GTEST_SKIP() << parity.name << " needs " << parity.world_size << " GPU(s), one per rank; this process sees "
+                 << cuda_device_count() << (built_with_cuda() ? "" : " (a build without the GPU path)");
+  }
   const bool against_spread = parity.bf16 && parity.llama;
   const auto directory = testing::shared_temporary_directory();
   if (!testing::is_rank_process()) {
@@ -413,6 +430,26 @@ std::vector<ParityCase> parity_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, Fsdp2Parity, ::testing::ValuesIn(parity_cases()),
+                         [](const ::testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
+
+// On GPUs: one GPU (the engine on CUDA without communication), then 2, 4 and 8 (NCCL), each skipped
+// where fewer GPUs are visible. fp32 (FULL_SHARD, SHARD_GRAD_OP) and bf16 parameters with fp32
+// reduction.
+std::vector<ParityCase> gpu_parity_cases() {
+  std::vector<ParityCase> cases;
+  for (const int gpus : {1, 2, 4, 8}) {
+    for (const bool llama : {false, true}) {
+      const std::string prefix = std::string(llama ? "Llama_" : "Mlp_") + std::to_string(gpus) + "gpus_";
+      cases.push_back({prefix + "reshard", llama, gpus, true, false, 1, false});
+      if (gpus > 1) cases.push_back({prefix + "noreshard", llama, gpus, false, false, 1, false});
+      if (!llama) cases.push_back({prefix + "Bf16ParamsFp32Reduce", llama, gpus, true, false, 1, true});
+    }
+  }
+  for (auto& parity : cases) parity.gpu = true;
+  return cases;
+}
+
+INSTANTIATE_TEST_SUITE_P(GpuCases, Fsdp2Parity, ::testing::ValuesIn(gpu_parity_cases()),
                          [](const ::testing::TestParamInfo<ParityCase>& info) { return info.param.name; });
 
 }  // namespace

@@ -15,6 +15,7 @@ DIR/case.json says what to train:
                    prefetch, limit_all_gathers, MixedPrecision(bf16, fp32, bf16) with bf16; no_sync()
                    for the first micro-batches and FSDP1's own clip_grad_norm_
     clip           max_norm of clip_grad_norm_ after every step's backward
+    device         (optional) "cuda": every rank on cuda:LOCAL_RANK over NCCL; default "cpu" over gloo
 DIR/initial.safetensors: the initial weights; DIR/batches.safetensors: "x.<step>" and "y.<step>" global
 batches (for llama "x" holds token ids of sequence length + 1 and there is no "y"). Every rank takes
 its equal slice of rows and splits it into the micro-batches. Rank 0 writes DIR/OUTPUT (default fsdp2_result.safetensors):
@@ -86,14 +87,22 @@ def micro_loss(model, case, x, y):
 def main(directory, output):
     torch.set_num_threads(1)
     case = json.load(open(f"{directory}/case.json"))
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if case.get("device") == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+    case["torch_device"] = device
     model, units = build(directory, case)
+    model.to(device)
     if case.get("fsdp1"):
         return train(directory, output, case, wrap_fsdp1(model, units, case))
     arguments = {"reshard_after_forward": case["reshard"]}
     if case["mesh"]:
         # HSDP: shard over the inner dimension (ranks of one machine), replicate over the outer.
-        arguments["mesh"] = init_device_mesh("cpu", tuple(case["mesh"]), mesh_dim_names=("replicate", "shard"))
+        arguments["mesh"] = init_device_mesh(device.type, tuple(case["mesh"]), mesh_dim_names=("replicate", "shard"))
     if case["bf16"]:
         arguments["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     for unit in units:
@@ -121,7 +130,8 @@ def train(directory, output, case, model):
     rank, world = dist.get_rank(), dist.get_world_size()
     fsdp1 = bool(case.get("fsdp1"))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
-    batches = load_file(f"{directory}/batches.safetensors")
+    device = case["torch_device"]
+    batches = {name: tensor.to(device) for name, tensor in load_file(f"{directory}/batches.safetensors").items()}
     steps = len([name for name in batches if name.startswith("x.")])
     k = case["accumulation"]
     losses, norms = [], []
@@ -131,7 +141,7 @@ def train(directory, output, case, model):
         rows = x.shape[0] // world
         local_x, local_y = x[rank * rows:(rank + 1) * rows], y[rank * rows:(rank + 1) * rows]
         micro = rows // k
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for index in range(k):
             part = slice(index * micro, (index + 1) * micro)
             if fsdp1:
@@ -160,7 +170,7 @@ def train(directory, output, case, model):
         with FullyShardedDataParallel.state_dict_type(model, StateDictType.FULL_STATE_DICT, config):
             full = {name: tensor.detach().clone().contiguous() for name, tensor in model.state_dict().items()}
     else:
-        full = {name: tensor.full_tensor().contiguous() for name, tensor in model.state_dict().items()}
+        full = {name: tensor.full_tensor().cpu().contiguous() for name, tensor in model.state_dict().items()}
     if rank == 0:
         full["loss"] = torch.tensor(losses, dtype=torch.float64)
         full["norm"] = torch.tensor(norms, dtype=torch.float64)

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <cmath>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <set>
@@ -513,6 +514,18 @@ int main(int argc, char** argv) {
   }
   try {
     auto context = fsdp::DistributedContext::initialize_from_environment();
+    // train_llama computes on the CPU: its data, evaluation and sampling are not moved to a GPU yet.
+    // On a machine with GPUs the Accelerator would otherwise place the model on one, so say so and
+    // keep every rank on the CPU (FSDP_DEVICE=cpu); FSDP_DEVICE=cuda is refused rather than ignored.
+    const char* requested_device = std::getenv("FSDP_DEVICE");
+    TORCH_CHECK(requested_device == nullptr || std::string(requested_device) != "cuda",
+                "train_llama computes on the CPU only; FSDP_DEVICE=cuda is not supported by it yet (the engine and "
+                "bench/gpu_bench run on GPUs). Unset FSDP_DEVICE");
+    if (requested_device == nullptr && fsdp::cuda_device_count() > 0) {
+      if (context.is_main_process()) std::cerr << "train_llama: note: computing on the CPU (GPUs are visible, but "
+                                                  "train_llama does not use them yet)" << std::endl;
+      ::setenv("FSDP_DEVICE", "cpu", 1);
+    }
     return settings.eval_only ? evaluate_only(settings, context) : train(settings, context);
   } catch (const c10::Error& error) {
     std::cerr << "train_llama: error: " << error.what_without_backtrace() << std::endl;
