@@ -1,4 +1,5 @@
-// Collectives on flat, contiguous CPU buffers: the only communication the FSDP engine uses.
+// Collectives on flat, contiguous buffers, on the CPU (Gloo) or, in a CUDA build, on a GPU (NCCL:
+// Note [The GPU path], docs/design.md): the only communication the FSDP engine uses.
 //
 // Free functions, no knowledge of modules or parameters. Layout contract (FSDP's): a full buffer of
 // N * s elements is N equal shards of s elements, shard r belonging to group rank r; callers pad.
@@ -39,7 +40,7 @@ struct CollectiveWorkState;
 }
 
 /// A collective in flight, used as FSDP2 uses a CUDA event: `wait()` blocks until the output is ready
-/// (the GPU path will make the current stream wait instead) and rethrows a failure of the collective
+/// (on GPU buffers it makes the current stream wait instead, and the host goes on) and rethrows a failure of the collective
 /// with the group, the rank and the operation in the message; waiting twice is a no-op. `query()`
 /// asks without blocking whether the transport is done with the buffers, which is what decides when
 /// a buffer may be reused (Note [a block returns after its last use], src/memory/buffer_pool.h).

@@ -44,7 +44,8 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
 /// Accelerate's fsdp2_load_full_state_dict: `model` is sharded and holds no parameter data yet
 /// (see release_parameter_storage); `full_state_dict` matters on rank 0 only. Rank 0 broadcasts
 /// the tensors one at a time in state-dict order; each rank keeps its rows, cast to the parameter's
-/// dtype (on CPU: `cpu_offload` holds by construction in this build). Collective.
+/// dtype, where the engine keeps them (host memory under cpu_offload, else the model's device; the
+/// argument is Accelerate's and changes nothing here). Collective.
 std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
                                                               const std::shared_ptr<torch::nn::Module>& model,
                                                               const TensorList& full_state_dict,

@@ -57,8 +57,11 @@ struct FullyShardOptions {
   /// outputs of the unit's forward), cast_forward_inputs, buffer_dtype (buffers of managed modules).
   /// Default: no casts.
   MixedPrecisionPolicy mixed_precision;
-  /// CPU offload of sharded parameters, gradients and optimizer state. This build computes on CPU,
-  /// where everything already lives in CPU memory, so it holds by construction. Default: off.
+  /// CPU offload of sharded parameters, gradients and optimizer state (FSDP2's CPUOffloadPolicy):
+  /// shards in host memory (pinned when pin_memory and a GPU is present), the unit computing on its
+  /// parameters' GPU or on default_device(local rank), gradients moved to host memory at the end of
+  /// each backward so the optimizer steps there. Without a GPU everything is in host memory already
+  /// and it holds by construction. Default: off.
   CpuOffloadPolicy offload;
   /// Parameters that stay whole and unmanaged: not sharded, gradients not reduced. Default: none.
   std::vector<at::Tensor> ignored_parameters;

@@ -1,6 +1,7 @@
 // `fsdp env`: what a user pastes into a bug report.
 #include "cli/commands.h"
 
+#include <fsdp/device.h>
 #include <fsdp/distributed_environment.h>
 #include <fsdp/version.h>
 
@@ -39,7 +40,10 @@ Command add_env_command(CLI::App& parent) {
               << "libtorch version:     " << torch_version() << "\n"
               << "libtorch CXX11 ABI:   " << (torch_cxx11_abi() ? "1" : "0") << "\n"
               << "libtorch library:     " << torch_library_path() << "\n"
-              << "backends:             gloo (CPU); nccl: not in this build; mpi: not in this build\n"
+              << "backends:             gloo (CPU); nccl: "
+              << (built_with_cuda() ? "yes (CUDA tensors; a CUDA libtorch)" : "not in this build (a CPU-only libtorch)")
+              << "; mpi: not in this build\n"
+              << "GPUs visible:         " << cuda_device_count() << "\n"
               << "CPU cores:            " << std::thread::hardware_concurrency() << "\n"
               << "intra-op threads:     " << at::get_num_threads() << "\n"
               << "distributed variables:\n";

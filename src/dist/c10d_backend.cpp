@@ -615,6 +615,7 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
   auto& group = group_handle.state();
   check_buffer(group, "all_gather", "output", output);
   check_buffer(group, "all_gather", "input", input);
+  check_same_device(group, "all_gather", output, input);
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
               "] all_gather: output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type(), ".");
   TORCH_CHECK(output.numel() == input.numel() * group.size, "[rank ", group.global_rank, "] all_gather on group '",
@@ -627,8 +628,6 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
   }
   check_frames(group, FrameKind::kAllGather, input, 0, describe(group, "all_gather", output));
   if (input.numel() == 0) return completed_work();
-
-  check_same_device(group, "all_gather", output, input);
 #ifdef FSDP_WITH_CUDA
   if (on_gpu(input)) {
     const c10::DeviceGuard device_guard(input.device());
@@ -660,6 +659,7 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
   auto& group = group_handle.state();
   check_buffer(group, "reduce_scatter", "output", output);
   check_buffer(group, "reduce_scatter", "input", input);
+  check_same_device(group, "reduce_scatter", output, input);
   TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
               "] reduce_scatter: output dtype ", output.scalar_type(), " differs from input dtype ",
               input.scalar_type(), ".");
@@ -686,7 +686,6 @@ CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::
     finish_rows(send.view({1, shard_numel}));
     return completed_work();
   }
-  check_same_device(group, "reduce_scatter", output, input);
 #ifdef FSDP_WITH_CUDA
   if (on_gpu(input)) {
     // NCCL reduces in the buffer's dtype (bf16 sums in bf16, as PyTorch's FSDP2 does on GPUs); the
@@ -750,7 +749,7 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
     const bool as_uint8 = tensor.scalar_type() == at::kBool;
     std::vector<at::Tensor> tensors{as_uint8 ? tensor.to(at::kByte) : tensor};
     c10d::AllreduceOptions options;
-    options.reduceOp = as_uint8 && op == ReduceOp::kSum ? c10d::ReduceOp::MAX : to_c10d(op);
+    options.reduceOp = as_uint8 && op == ReduceOp::kSum ? c10d::ReduceOp(c10d::ReduceOp::MAX) : to_c10d(op);
     auto work = nccl(group, tensor).allreduce(tensors, options);
     group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
     std::function<void()> finish;

@@ -449,9 +449,11 @@ void ParamGroup::reduce_gradients(const std::vector<at::Tensor>& unsharded_gradi
 
   // On a GPU the copy-in and the reduction run on the reduce-scatter stream, after the compute
   // stream's work so far (which produced the gradients), so they overlap the next unit's backward.
-  // The gradients, made on the compute stream, are recorded on it: Note [streams of a unit].
+  // The gradients, made on the compute stream, are recorded on it: Note [streams of a unit]. Only
+  // when a collective follows: its wait is what orders the compute stream after the copy-in (one
+  // shard and no replicas is a cast in place, which stays on the compute stream).
   std::optional<c10::Stream> reduce_scatter_stream;
-  if (has_streams(device_)) {
+  if (has_streams(device_) && (shard_size > 1 || replicate_group_)) {
     reduce_scatter_stream = side_stream(device_, SideStream::kReduceScatter);
     stream_wait_stream(*reduce_scatter_stream, current_stream(device_));
     for (const auto& gradient : unsharded_gradients) record_stream(gradient, *reduce_scatter_stream);

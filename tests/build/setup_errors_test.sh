@@ -37,8 +37,11 @@ expect_error "python without venv" "has no venv/ensurepip module" \
 
 mkdir -p "$scratch/old-libtorch/share/cmake/Torch"
 echo 'set(PACKAGE_VERSION "1.13.1")' >"$scratch/old-libtorch/share/cmake/Torch/TorchConfigVersion.cmake"
-expect_error "libtorch too old" "libtorch 1.13.1 at $scratch/old-libtorch is too old: fsdp.cpp needs libtorch >= 2.13" \
+expect_error "libtorch too old" "libtorch 1.13.1 at $scratch/old-libtorch is too old: fsdp.cpp needs libtorch >= 2.11" \
   FSDP_VENV="$venv" FSDP_TORCH_PREFIX="$scratch/old-libtorch"
+
+expect_error "unknown flavour" "FSDP_FLAVOR='gpu' is not a flavour of fsdp.cpp; expected 'cpu' (default) or 'cuda'" \
+  FSDP_FLAVOR=gpu FSDP_VENV="$venv"
 
 mkdir -p "$scratch/not-libtorch"
 expect_error "not a libtorch" "no TorchConfigVersion.cmake under '$scratch/not-libtorch'" \
@@ -52,10 +55,23 @@ echo 'set(Torch_FOUND TRUE)' >"$scratch/old-libtorch-cmake/share/cmake/Torch/Tor
 cmake -S "$root" -B "$scratch/cmake-build" "-DCMAKE_PREFIX_PATH=$scratch/old-libtorch-cmake" >"$scratch/out" 2>&1
 status=$?
 # CMake wraps long messages: compare with the lines joined.
-if [[ $status -ne 0 ]] && tr -s '\n ' '  ' <"$scratch/out" | grep -q "libtorch 1.13.1 at [^ ]* is too old: fsdp.cpp needs libtorch >= 2.13"; then
+if [[ $status -ne 0 ]] && tr -s '\n ' '  ' <"$scratch/out" | grep -q "libtorch 1.13.1 at [^ ]* is too old: fsdp.cpp needs libtorch >= 2.11"; then
   echo "ok   cmake with libtorch 1.13.1: refused by name"
 else
   echo "FAIL cmake with libtorch 1.13.1: exit $status"; cat "$scratch/out"; failures=$((failures + 1))
+fi
+
+# FSDP_CUDA=ON against a CPU-only libtorch is refused by name (where the venv's torch is CPU-only).
+if [[ "$("$venv/bin/python" -c 'import torch; print(torch.version.cuda is None)')" == True ]]; then
+  torch_prefix="$("$venv/bin/python" -c 'import torch.utils; print(torch.utils.cmake_prefix_path)')"
+  cmake -S "$root" -B "$scratch/cuda-on" "-DCMAKE_PREFIX_PATH=$torch_prefix" -DFSDP_CUDA=ON -DFSDP_BUILD_TESTS=OFF \
+    -DFSDP_BUILD_BENCHMARKS=OFF >"$scratch/out" 2>&1
+  status=$?
+  if [[ $status -ne 0 ]] && tr -s '\n ' '  ' <"$scratch/out" | grep -q "FSDP_CUDA=ON but libtorch [^ ]* at [^ ]* is a CPU-only build"; then
+    echo "ok   cmake -DFSDP_CUDA=ON with a CPU-only libtorch: refused by name"
+  else
+    echo "FAIL cmake -DFSDP_CUDA=ON with a CPU-only libtorch: exit $status"; cat "$scratch/out"; failures=$((failures + 1))
+  fi
 fi
 
 echo "$failures failure(s)"
