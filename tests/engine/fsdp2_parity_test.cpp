@@ -338,6 +338,14 @@ testing::PythonResult run_fsdp2(const std::string& directory, int world_size, co
 // (weights). So this case runs FSDP2 on one rank too, in the same test, and requires fsdp.cpp to stay
 // within 3x that spread of PyTorch against itself, and the first step, before any update, within
 // the fp32 tolerances (measured: loss 0, norm 8e-7). The MLP case proves the mixed-precision semantics themselves to 1e-5.
+//
+// fp32 on the Llama over several ranks: the same amplification, smaller. The two models' one-ulp
+// differences (step 0's gradient norm, 2e-8 relative) and the order of the ranks' additions grow
+// through 20 AdamW steps by an amount that depends on the machine's kernels: on one machine (where
+// the 1e-5 tolerances were set) the weights ended at most 3.9e-6 apart; on an AMD EPYC (OpenBLAS's
+// Haswell kernels) at 4 ranks 4.4e-5, where PyTorch FSDP2 on 1 against 4 ranks spreads 2.7e-5 by
+// itself. So these cases too are held to 3x PyTorch's own spread (and their first step to the fp32
+// tolerances); one rank, with nothing to spread, keeps 1e-5.
 constexpr double kTolerance = 1e-5;
 constexpr double kNormTolerance = 1e-4;
 constexpr double kSpreadFactor = 3.0;
@@ -350,7 +358,9 @@ TEST_P(Fsdp2Parity, LossesNormsAndFinalWeightsMatchPyTorchFsdp2) {
     GTEST_SKIP() << parity.name << " needs " << parity.world_size << " GPU(s), one per rank; this process sees "
                  << cuda_device_count() << (built_with_cuda() ? "" : " (a build without the GPU path)");
   }
-  const bool against_spread = parity.bf16 && parity.llama;
+  // FSDP2 on one rank is the reference spread: not for HSDP (its mesh needs 4 ranks) or FSDP1.
+  const bool against_spread =
+      parity.llama && ((parity.bf16) || (parity.world_size > 1 && !parity.hybrid && !parity.fsdp1));
   const auto directory = testing::shared_temporary_directory();
   if (!testing::is_rank_process()) {
     write_inputs(directory, parity);
