@@ -147,7 +147,6 @@ class Accelerator {
   bool sync_gradients_ = true;
   std::optional<ShardedGradScaler> scaler_;
   bool step_was_skipped_ = false;
-  bool unscaled_this_step_ = false;
   std::string project_dir_;
   int64_t total_limit_ = 0;
 };

@@ -57,6 +57,9 @@ class ShardedGradScaler {
   /// Backs the scale off after a skipped step, or grows it after growth_interval clean ones; with
   /// `new_scale`, sets it instead. Call once per iteration, after step() for every optimizer.
   void update(std::optional<double> new_scale = std::nullopt);
+  /// Whether unscale_ has run for `optimizer` since the last update() (its gradients are at their
+  /// true size), so a caller that clips can unscale only once.
+  bool unscaled(const torch::optim::Optimizer& optimizer) const;
 
   /// The current scale (1.0 when disabled; init_scale before the first scale()).
   double get_scale() const;

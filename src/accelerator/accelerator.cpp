@@ -16,6 +16,7 @@
 #include <fsdp/fsdp2_prepare.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/host_memory.h>
+#include <fsdp/meta_device.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 
@@ -67,11 +68,7 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   // the parameters, see the new addresses below. Under cpu_offload the shards go to host memory
   // whatever the model's device, and a model on the meta device is materialized by fully_shard.
   const auto target = device();
-  if (!target.is_cpu() && !plugin_.cpu_offload.offload_params) {
-    bool on_meta = false;
-    for (const auto& parameter : model->parameters()) on_meta = on_meta || parameter.is_meta();
-    if (!on_meta) model->to(target);
-  }
+  if (!target.is_cpu() && !plugin_.cpu_offload.offload_params && !has_meta_tensors(*model)) model->to(target);
   // Spec §3.4 steps 6-11: remember each optimizer slot's parameter by its data pointer, let the
   // slots point at nothing so sharding can free the full tensors, shard, then map back by name.
   // A parameter without memory (built on the meta device, or empty) has no data pointer of its own:
@@ -230,17 +227,13 @@ void Accelerator::backward(const torch::Tensor& loss) {
 
 double Accelerator::clip_grad_norm_(double max_norm, double norm_type) {
   TORCH_CHECK(model_, "Accelerator::clip_grad_norm_: prepare(model, optimizer) first");
-  if (scaler_ && optimizer_ && !unscaled_this_step_) {
-    scaler_->unscale_(*optimizer_);
-    unscaled_this_step_ = true;
-  }
+  if (scaler_ && optimizer_ && !scaler_->unscaled(*optimizer_)) scaler_->unscale_(*optimizer_);
   return fsdp::clip_grad_norm_(*model_, max_norm, norm_type);
 }
 
 bool Accelerator::step() {
   TORCH_CHECK(optimizer_, "Accelerator::step: prepare(model, optimizer) first");
   step_was_skipped_ = false;
-  unscaled_this_step_ = false;
   if (!scaler_) {
     optimizer_->step();
     return true;

@@ -127,6 +127,11 @@ void ShardedGradScaler::update(std::optional<double> new_scale) {
   per_optimizer_.clear();
 }
 
+bool ShardedGradScaler::unscaled(const torch::optim::Optimizer& optimizer) const {
+  const auto found = per_optimizer_.find(&optimizer);
+  return found != per_optimizer_.end() && found->second.stage == Stage::kUnscaled;
+}
+
 double ShardedGradScaler::get_scale() const {
   if (!options_.enabled) return 1.0;
   return scale_.defined() ? scale_.item<double>() : options_.init_scale;
@@ -159,9 +164,9 @@ void ShardedGradScaler::load_state_dict(const std::map<std::string, double>& sta
   validate(loaded);
   options_ = loaded;
   const auto device = scale_.defined() ? scale_.device() : c10::Device(c10::kCPU);
-  scale_ = at::full({}, loaded.init_scale, at::TensorOptions().dtype(at::kFloat).device(device));
-  growth_tracker_ = at::full({}, static_cast<int64_t>(state.at("_growth_tracker")),
-                             at::TensorOptions().dtype(at::kInt).device(device));
+  scale_ = at::Tensor();
+  lazy_init(device);  // the scale from options_.init_scale, which is now the loaded one
+  growth_tracker_.fill_(static_cast<int64_t>(state.at("_growth_tracker")));
 }
 
 }  // namespace fsdp

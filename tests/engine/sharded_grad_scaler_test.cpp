@@ -145,12 +145,15 @@ TEST(ShardedGradScaler, CallsOutOfOrderAreNamedErrors) {
     EXPECT_NE(message([&] { scaler.step(optimizer); }).find("no loss was scaled yet"), std::string::npos);
     scaler.scale((parameter * 2).sum()).backward();
     EXPECT_TRUE(torch::equal(parameter.grad(), torch::full({2}, 2.0f * 65536.0f))) << "scaled by init_scale";
+    EXPECT_FALSE(scaler.unscaled(optimizer));
     scaler.unscale_(optimizer);
+    EXPECT_TRUE(scaler.unscaled(optimizer));
     EXPECT_NE(message([&] { scaler.unscale_(optimizer); }).find("already been called"), std::string::npos);
     EXPECT_TRUE(scaler.step(optimizer));
     EXPECT_NE(message([&] { scaler.step(optimizer); }).find("already been called since the last update"),
               std::string::npos);
     scaler.update();
+    EXPECT_FALSE(scaler.unscaled(optimizer));
     EXPECT_NE(message([&] { scaler.update(); }).find("no inf checks were recorded"), std::string::npos);
     ShardedGradScalerOptions bad;
     bad.backoff_factor = 1.5;
