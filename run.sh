@@ -8,7 +8,7 @@
 # Environment: RUN_DIR (default runs/llama), RUN_STEPS (default 300), and any FSDP_* setting.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
-"$root/scripts/setup.sh"
+"$root/scripts/setup.sh" --for-run  # torch and the two programs below, nothing else (./test.sh adds the rest)
 source "$root/scripts/flavor.sh"
 bin="$fsdp_build_dir/bin"
 run_dir="${RUN_DIR:-$root/runs/llama}"

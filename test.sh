@@ -1,10 +1,22 @@
 #!/usr/bin/env bash
 # Installs what is missing, builds, and runs every test (ctest; failing tests' output is shown).
-# Exits non-zero when anything fails. FSDP_FLAVOR=cuda does the same on the CUDA build (build-cuda/:
-# the GPU path compiled in, the CPU suite run on it; scripts/flavor.sh).
+# Exits non-zero when anything fails. Arguments go to ctest (e.g. -L unit, -LE long).
+# FSDP_FLAVOR=cuda does the same on the CUDA build (build-cuda/: the GPU path compiled in, the CPU
+# suite run on it), FSDP_SANITIZE=1 on a build with the sanitizers (scripts/flavor.sh).
+# FSDP_BUILD_TARGETS builds only those targets (scripts/setup.sh); the tests then select the ones
+# whose binaries exist (e.g. -L unit needs fsdp_unit_tests, fsdp_cli and train_llama).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 "$root/scripts/setup.sh"
 source "$root/scripts/flavor.sh"
-cd "$fsdp_build_dir"
-ctest --output-on-failure -j "${FSDP_TEST_JOBS:-$(nproc)}" "$@"
+# fuzz_briefly's clang build, when it is among the tests to run: here on every core, before ctest,
+# where it would build on one core beside the other tests (scripts/fuzz.sh --build-only).
+if ctest --test-dir "$fsdp_build_dir" -N "$@" | grep -q ' fuzz_briefly$'; then
+  FSDP_FUZZ_BUILD_DIR="$fsdp_build_dir/tests/fuzz" FSDP_VENV="$fsdp_venv" "$root/scripts/fuzz.sh" --build-only
+  fsdp_step_done "$fsdp_flavor_name: build the fuzz targets (clang)"
+fi
+# ctest ends with its "Label Time Summary": each label's test time, in seconds times processors.
+status=0
+ctest --test-dir "$fsdp_build_dir" --output-on-failure -j "${FSDP_TEST_JOBS:-$(nproc)}" "$@" || status=$?
+fsdp_step_done "$fsdp_flavor_name: tests (ctest${*:+ $*})"
+exit "$status"

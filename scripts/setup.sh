@@ -7,6 +7,17 @@
 #      benchmarks compare against. The binaries never need Python: they find libtorch by RPATH.
 #   3. CMake against that libtorch (or FSDP_TORCH_PREFIX), then an incremental build.
 # Idempotent: with everything present it only runs an incremental build.
+#
+#   scripts/setup.sh            everything: the peers in the venv, every target (what ./test.sh needs)
+#   scripts/setup.sh --for-run  what ./run.sh needs: torch alone in the venv (at requirements.txt's
+#                               pins) and the two programs it runs, `fsdp` and `train_llama`; a later
+#                               scripts/setup.sh adds the rest to the same venv and build
+#   scripts/setup.sh --venv-only  the packages and the venv, no build (.ci/run installs the CUDA
+#                               flavour's venv this way while the CPU flavour builds)
+#
+# Each step prints the seconds it took ("setup.sh: cpu venv took N s"); with FSDP_PHASE_LOG set it
+# also appends them to that file (.ci/run's summary). FSDP_SANITIZE=1 (scripts/flavor.sh) builds the
+# flavour with the sanitizers into its own folder.
 # FSDP_FLAVOR=cuda (scripts/flavor.sh) does the same with requirements-cuda.txt (the CUDA torch
 # 2.14.1 wheel) into .venv-cuda/ and build-cuda/, compiling the GPU path; it needs a CUDA toolkit
 # (nvcc and its headers, /usr/local/cuda or CUDA_HOME), which Caffe2's CMake code looks for.
@@ -15,10 +26,22 @@
 # that creates the venv; default python3.11, else python3), FSDP_TORCH_PREFIX (another libtorch:
 # its directory holding share/cmake/Torch, e.g. an unpacked official libtorch archive),
 # FSDP_BUILD_JOBS. Used by run.sh and test.sh; usable alone: scripts/setup.sh
+# FSDP_BUILD_TARGETS: the targets to build, space-separated, instead of the mode's (e.g. .ci/run's
+# CUDA flavour builds the library, the tools, the unit and GPU tests and the benchmarks only).
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 source "$root/scripts/flavor.sh"
+for_run=0
+venv_only=0
+while (($#)); do
+  case "$1" in
+    --for-run) for_run=1; shift ;;
+    --venv-only) venv_only=1; shift ;;
+    -h | --help) sed -n '2,30p' "$0"; exit 0 ;;
+    *) echo "setup: unknown argument '$1'; expected --for-run, --venv-only or nothing (see --help)" >&2; exit 2 ;;
+  esac
+done
 build_dir="$fsdp_build_dir"
 venv="$fsdp_venv"
 requirements="$fsdp_requirements"
@@ -45,10 +68,12 @@ packages=(
 )
 # The fuzz targets only (scripts/fuzz.sh): clang and libFuzzer's runtime, Debian's default LLVM
 # (14 in Debian 12; 19 in Debian 13, which these scripts have not met yet).
-case "$debian_major" in
-  12) packages+=(clang-14 libclang-rt-14-dev) ;;
-  13) packages+=(clang-19 libclang-rt-19-dev) ;;
-esac
+if ((!for_run)); then
+  case "$debian_major" in
+    12) packages+=(clang-14 libclang-rt-14-dev) ;;
+    13) packages+=(clang-19 libclang-rt-19-dev) ;;
+  esac
+fi
 
 # The Python that creates the venv. The torch 2.13.0 wheel of these machines is for Python 3.11.
 python="${FSDP_PYTHON:-}"
@@ -82,6 +107,7 @@ python_path="$(command -v "$python" || true)"
 [[ -n "$python_path" ]] || fail "no '$python' on PATH after installing python3; set FSDP_PYTHON to a Python 3.11."
 "$python_path" -c 'import venv, ensurepip' 2>/dev/null ||
   fail "$python_path has no venv/ensurepip module, which the project venv needs. Fix: apt-get install python3-venv (Debian's Python), or set FSDP_PYTHON to a Python that has venv."
+fsdp_step_done "$fsdp_flavor_name: Debian packages"
 
 # --- 2. The project venv ------------------------------------------------------------------------
 venv_python="$venv/bin/python"
@@ -93,20 +119,43 @@ if [[ ! -e "$venv" ]]; then
   echo "setup: creating the project venv $venv with $python_path ($("$python_path" --version 2>&1))"
   "$python_path" -m venv "$venv" || fail "'$python_path -m venv $venv' failed (see above). Fix: apt-get install python3-venv, or set FSDP_PYTHON."
 fi
+# The stamp holds the hash of the requirements file installed: alone for all of it, after "torch-only "
+# for --for-run's install of torch and its own dependencies at that file's pins (-c: as constraints).
 stamp="$venv/.fsdp-requirements.sha256"
 wanted="$(sha256sum "$requirements" | cut -d' ' -f1)"
-if [[ "$(cat "$stamp" 2>/dev/null)" != "$wanted" ]] || ! "$venv_python" -c 'import torch' >/dev/null 2>&1; then
-  echo "setup: installing $(basename "$requirements") into $venv"
+installed="$(cat "$stamp" 2>/dev/null || true)"
+if ((for_run)); then
+  satisfied=0
+  [[ "$installed" == "$wanted" || "$installed" == "torch-only $wanted" ]] && satisfied=1
+  pip_arguments=(-c "$requirements" "$(grep -m1 -E '^torch==' "$requirements")")
+  what="torch (at $(basename "$requirements")'s pins)"
+  new_stamp="torch-only $wanted"
+else
+  satisfied=0
+  [[ "$installed" == "$wanted" ]] && satisfied=1
+  pip_arguments=(-r "$requirements")
+  what="$(basename "$requirements")"
+  new_stamp="$wanted"
+fi
+if ((!satisfied)) || ! "$venv_python" -c 'import torch' >/dev/null 2>&1; then
+  echo "setup: installing $what into $venv"
   mkdir -p "$build_dir"
   log="$build_dir/pip-install.log"
-  if ! "$venv_python" -m pip install --no-input --disable-pip-version-check -r "$requirements" >"$log" 2>&1; then
+  if ! "$venv_python" -m pip install --no-input --disable-pip-version-check "${pip_arguments[@]}" >"$log" 2>&1; then
     tail -n 15 "$log" >&2
-    fail "pip could not install $(basename "$requirements") into $venv (full log: $log). Its torch comes from the machine's wheel cache for Python 3.11 ($("$venv_python" --version 2>&1) here); set FSDP_PYTHON to a Python 3.11, or remove $venv and retry."
+    fail "pip could not install $what into $venv (full log: $log). Its torch comes from the machine's wheel cache for Python 3.11 ($("$venv_python" --version 2>&1) here); set FSDP_PYTHON to a Python 3.11, or remove $venv and retry."
   fi
-  echo "$wanted" >"$stamp"
+  echo "$new_stamp" >"$stamp"
 fi
-"$venv_python" -c 'import torch, accelerate, transformers, safetensors, numpy' 2>/dev/null ||
-  fail "$venv lacks one of torch, accelerate, transformers, safetensors, numpy although requirements.txt was installed. Fix: rm -rf $venv and run scripts/setup.sh again."
+if ((for_run)); then
+  "$venv_python" -c 'import torch' 2>/dev/null ||
+    fail "$venv has no importable torch although it was installed. Fix: rm -rf $venv and run scripts/setup.sh again."
+else
+  "$venv_python" -c 'import torch, accelerate, transformers, safetensors, numpy' 2>/dev/null ||
+    fail "$venv lacks one of torch, accelerate, transformers, safetensors, numpy although $(basename "$requirements") was installed. Fix: rm -rf $venv and run scripts/setup.sh again."
+fi
+fsdp_step_done "$fsdp_flavor_name: venv"
+((!venv_only)) || exit 0
 
 # --- 3. libtorch, CMake, build ------------------------------------------------------------------
 if [[ -n "${FSDP_TORCH_PREFIX:-}" ]]; then
@@ -140,9 +189,21 @@ if [[ -f "$cache" ]] && ! grep -qx "CMAKE_PREFIX_PATH:[A-Z]*=$torch_prefix" "$ca
   rm -rf "$cache" "$build_dir/CMakeFiles"
 fi
 jobs="${FSDP_BUILD_JOBS:-$(nproc)}"
+build_arguments=(-DCMAKE_BUILD_TYPE=Release)
+if [[ "$fsdp_sanitize" == 1 ]]; then
+  # -O1 -g1: sanitizer reports with line numbers, compiling faster than -O2 -g.
+  build_arguments=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DFSDP_SANITIZE=ON)
+fi
 if [[ ! -f "$cache" ]]; then
-  cmake -S "$root" -B "$build_dir" -G Ninja -DCMAKE_BUILD_TYPE=Release \
+  cmake -S "$root" -B "$build_dir" -G Ninja "${build_arguments[@]}" \
     "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DFSDP_TEST_PYTHON=$venv_python" ${cuda_arguments[@]+"${cuda_arguments[@]}"} ||
     fail "CMake could not configure $build_dir (its error is above)."
 fi
-cmake --build "$build_dir" -j "$jobs"
+targets=()
+if [[ -n "${FSDP_BUILD_TARGETS:-}" ]]; then
+  read -r -a targets <<<"$FSDP_BUILD_TARGETS"
+elif ((for_run)); then
+  targets=(fsdp_cli train_llama)
+fi
+cmake --build "$build_dir" -j "$jobs" ${targets[@]+--target "${targets[@]}"}
+fsdp_step_done "$fsdp_flavor_name: build${targets[@]+ (${targets[*]})}"

@@ -30,7 +30,7 @@ constexpr const char* kMetadataModule = "torch.distributed.checkpoint.metadata";
 // What torch 2.13's FileSystemWriter records as Metadata.version.
 constexpr const char* kMetadataVersion = "1.0.0";
 
-std::string rank_file_name(int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
+std::string distcp_file_name(int64_t rank) { return "__" + std::to_string(rank) + "_0.distcp"; }
 
 // One item this rank wrote: a chunk of a tensor (offsets and sizes) or a byte item (no offsets).
 struct WrittenItem {
@@ -159,7 +159,7 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
     fs::remove(fs::path(directory) / kShardedMetadataFile);
   });
 
-  const auto file = rank_file_name(rank);
+  const auto file = distcp_file_name(rank);
   std::vector<WrittenItem> written;
   std::string report;
   try {

@@ -25,7 +25,7 @@ struct LaunchCase {
   std::string yaml;
 };
 
-std::string read_file(const std::string& path) {
+std::string read_text_file(const std::string& path) {
   std::ifstream file(path);
   return std::string(std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>());
 }
@@ -33,8 +33,8 @@ std::string read_file(const std::string& path) {
 std::vector<LaunchCase> launch_cases() {
   return {
       // Written by `accelerate config`, version 1 (its strategy under fsdp_reshard_after_forward).
-      {"fsdp1", read_file(std::string(FSDP_TEST_DATA_DIR) + "/accelerate_fsdp1.yaml")},
-      {"fsdp2", read_file(std::string(FSDP_TEST_DATA_DIR) + "/accelerate_fsdp2_expected.yaml")},
+      {"fsdp1", read_text_file(std::string(FSDP_TEST_DATA_DIR) + "/accelerate_fsdp1.yaml")},
+      {"fsdp2", read_text_file(std::string(FSDP_TEST_DATA_DIR) + "/accelerate_fsdp2_expected.yaml")},
       {"fsdp1_minimal", "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n"},
       {"fsdp1_size_wrap",
        "distributed_type: FSDP\nmixed_precision: fp16\nnum_processes: 3\nfsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: "

@@ -202,7 +202,9 @@ TEST(CollectiveFrames, ARankThatNeverIssuesTheCollectiveIsNamedAfterTheTimeout) 
       [](const DistributedContext& context) {
         const auto& world = context.world();
         if (world.rank() == 2) {
-          std::this_thread::sleep_for(std::chrono::seconds(5));  // past the others' timeout
+          // Alive past the others' 2 s timeout (so that they time out rather than see it leave), by a
+          // margin for their start-up skew.
+          std::this_thread::sleep_for(std::chrono::milliseconds(3500));
           return;
         }
         auto shard = at::ones({4});

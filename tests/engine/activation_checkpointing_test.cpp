@@ -17,16 +17,6 @@ namespace {
 using testing::tensors_close;
 using testing::unique_parameters;
 
-std::pair<torch::Tensor, torch::Tensor> token_batch(int step) {
-  torch::manual_seed(700 + step);
-  auto tokens = torch::randint(0, 11, {12, 6});
-  return {tokens.narrow(1, 0, 5), tokens.narrow(1, 1, 5)};
-}
-
-torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
-  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
-}
-
 /// Every parameter's gradient, by name (undefined ones included, as empty tensors).
 std::map<std::string, torch::Tensor> gradients_of(const torch::nn::Module& model) {
   std::map<std::string, torch::Tensor> gradients;
@@ -41,10 +31,10 @@ TEST(ActivationCheckpointing, GradientsEqualThoseWithoutCheckpointingInOneProces
     return module.name() == "fsdp::testing::TransformerBlockImpl" || module.name() == "torch::nn::EmbeddingImpl";
   });
   EXPECT_EQ(marked, 3);
-  auto [inputs, targets] = token_batch(0);
+  auto [inputs, targets] = testing::token_batch(700, 12);
   auto logits = fsdp::forward(model, inputs);
-  next_token_loss(logits, targets).backward();
-  next_token_loss(reference->forward(inputs), targets).backward();
+  testing::next_token_loss(logits, targets).backward();
+  testing::next_token_loss(reference->forward(inputs), targets).backward();
   const auto expected = gradients_of(*reference);
   for (const auto& [name, gradient] : gradients_of(*model)) {
     ASSERT_TRUE(gradient.defined()) << name;
@@ -69,11 +59,11 @@ void train_sharded_and_compare(const DistributedContext& context, testing::TinyT
   torch::optim::AdamW reference_optimizer(unique_parameters(*reference), torch::optim::AdamWOptions(1e-2));
   const int64_t local = 12 / context.world_size();
   for (int step = 0; step < 3; ++step) {
-    auto [inputs, targets] = token_batch(step);
-    next_token_loss(fsdp::forward(model, inputs.narrow(0, context.rank() * local, local)),
+    auto [inputs, targets] = testing::token_batch(700 + step, 12);
+    testing::next_token_loss(fsdp::forward(model, inputs.narrow(0, context.rank() * local, local)),
                     targets.narrow(0, context.rank() * local, local))
         .backward();
-    next_token_loss(reference->forward(inputs), targets).backward();
+    testing::next_token_loss(reference->forward(inputs), targets).backward();
     testing::expect_sharded_gradients_match(*model, *reference, what);
     optimizer.step();
     optimizer.zero_grad();
@@ -113,7 +103,7 @@ TEST(ActivationCheckpointing, AUnitInsideACheckpointedModuleIsAnError) {
     fully_shard(block->up.ptr(), context);
     checkpoint_module(block.ptr());
     fully_shard(model.ptr(), context);
-    auto [inputs, targets] = token_batch(0);
+    auto [inputs, targets] = testing::token_batch(700, 12);
     const auto message = testing::error_message_of([&] { fsdp::forward(model, inputs); });
     EXPECT_NE(message.find("runs inside an activation-checkpointed module"), std::string::npos) << message;
     EXPECT_NE(message.find("LinearImpl"), std::string::npos) << message;

@@ -32,8 +32,8 @@
 namespace fsdp {
 namespace {
 
-constexpr int kSteps = 20;
-constexpr int64_t kGlobalBatch = 24;  // rows per step: 12, 8 or 6 per rank, two micro-batches of them
+constexpr int kParitySteps = 20;
+constexpr int64_t kParityGlobalBatch = 24;  // rows per step: 12, 8 or 6 per rank, two micro-batches of them
 constexpr int64_t kSequenceLength = 16;
 // Below every step's gradient norm in every case, so that the clipping under test acts (checked).
 constexpr double kMaxNorm = 0.05;
@@ -168,20 +168,20 @@ void write_inputs(const std::string& directory, const ParityCase& parity) {
   const int64_t vocab = parity_llama_config().vocab_size;
   const auto successor = torch::randperm(vocab, torch::kLong);
   const auto target_map = torch::randn({3, 2});
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kParitySteps; ++step) {
     if (parity.llama) {
       // Each next token is a fixed permutation of the one before: a bigram the model can learn.
-      auto tokens = torch::empty({kGlobalBatch, kSequenceLength + 1}, torch::kLong);
-      tokens.select(1, 0).copy_(torch::randint(0, vocab, {kGlobalBatch}, torch::kLong));
+      auto tokens = torch::empty({kParityGlobalBatch, kSequenceLength + 1}, torch::kLong);
+      tokens.select(1, 0).copy_(torch::randint(0, vocab, {kParityGlobalBatch}, torch::kLong));
       for (int64_t position = 1; position <= kSequenceLength; ++position) {
         tokens.select(1, position).copy_(successor.index_select(0, tokens.select(1, position - 1)));
       }
       batches.emplace_back("x." + std::to_string(step), tokens);
     } else {
-      batches.emplace_back("x." + std::to_string(step), torch::randn({kGlobalBatch, 3}));
+      batches.emplace_back("x." + std::to_string(step), torch::randn({kParityGlobalBatch, 3}));
       // A linear map plus noise: the MLP can learn it.
       batches.emplace_back("y." + std::to_string(step),
-                           torch::matmul(batches.back().second, target_map) + 0.1 * torch::randn({kGlobalBatch, 2}));
+                           torch::matmul(batches.back().second, target_map) + 0.1 * torch::randn({kParityGlobalBatch, 2}));
     }
   }
   write_safetensors(directory + "/batches.safetensors", batches);
@@ -235,10 +235,10 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
   }
   const auto root = *fsdp_module_of(*model.root);
   SafetensorsReader batches(directory + "/batches.safetensors");
-  const int64_t rows = kGlobalBatch / context.world_size();
+  const int64_t rows = kParityGlobalBatch / context.world_size();
   const int64_t micro = rows / parity.accumulation;
   std::vector<double> losses, norms;
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kParitySteps; ++step) {
     const auto x = batches.tensor("x." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(device);
     const auto y =
         parity.llama ? x : batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(device);
@@ -296,9 +296,9 @@ Differences compare(const Result& ours, const Result& theirs) {
     EXPECT_TRUE(ours.count(series) && theirs.count(series)) << series;
     if (!ours.count(series) || !theirs.count(series)) return worst;
     const auto our_values = ours.at(series), their_values = theirs.at(series);
-    EXPECT_EQ(our_values.numel(), kSteps) << series;
-    EXPECT_EQ(their_values.numel(), kSteps) << series;
-    for (int step = 0; step < std::min<int64_t>(kSteps, std::min(our_values.numel(), their_values.numel())); ++step) {
+    EXPECT_EQ(our_values.numel(), kParitySteps) << series;
+    EXPECT_EQ(their_values.numel(), kParitySteps) << series;
+    for (int step = 0; step < std::min<int64_t>(kParitySteps, std::min(our_values.numel(), their_values.numel())); ++step) {
       auto& largest = series == "loss" ? worst.loss : worst.norm;
       largest = std::max(largest, relative_difference(ours, theirs, series, step));
     }
@@ -380,7 +380,7 @@ TEST_P(Fsdp2Parity, LossesNormsAndFinalWeightsMatchPyTorchFsdp2) {
   const auto ours = read_result(directory + "/ours_result.safetensors");
   const auto worst = compare(ours, theirs);
   ASSERT_FALSE(HasFailure());
-  EXPECT_LT(ours.at("loss")[kSteps - 1].item<double>(), ours.at("loss")[0].item<double>());  // it trained
+  EXPECT_LT(ours.at("loss")[kParitySteps - 1].item<double>(), ours.at("loss")[0].item<double>());  // it trained
   Differences allowed{kTolerance, kNormTolerance, kTolerance};
   if (against_spread) {
     const auto spread = compare(read_result(directory + "/fsdp2_one_rank.safetensors"), theirs);
@@ -398,7 +398,7 @@ TEST_P(Fsdp2Parity, LossesNormsAndFinalWeightsMatchPyTorchFsdp2) {
   EXPECT_LE(worst.weight, allowed.weight) << "final weights, fsdp.cpp against FSDP2";
   if (HasFailure()) {
     for (const std::string series : {"loss", "norm"}) {
-      for (int step = 0; step < kSteps; ++step) {
+      for (int step = 0; step < kParitySteps; ++step) {
         std::printf("%s[%d]: fsdp.cpp %.9g, FSDP2 %.9g\n", series.c_str(), step, ours.at(series)[step].item<double>(),
                     theirs.at(series)[step].item<double>());
       }

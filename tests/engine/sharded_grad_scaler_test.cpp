@@ -21,7 +21,7 @@ namespace fsdp {
 namespace {
 
 constexpr int kRanks = 2;
-constexpr int kSteps = 9;
+constexpr int kScalerSteps = 9;
 const std::vector<std::string> kParameters = {"a", "b", "c"};  // fp32 [5], fp16 [3], fp32 [2, 2]
 
 torch::ScalarType dtype_of(const std::string& name) { return name == "b" ? torch::kHalf : torch::kFloat; }
@@ -30,7 +30,7 @@ void write_inputs(const std::string& directory) {
   nlohmann::json json;
   json["init_scale"] = 1024.0;
   json["growth_interval"] = 2;
-  json["steps"] = kSteps;
+  json["steps"] = kScalerSteps;
   json["lr"] = 0.1;
   json["explicit_unscale"] = std::vector<int>{1, 4, 7};
   std::ofstream(directory + "/case.json") << json.dump();
@@ -42,7 +42,7 @@ void write_inputs(const std::string& directory) {
     for (const auto& name : kParameters) {
       const auto prefix = std::to_string(rank) + "." + name;
       inputs.emplace_back(prefix + ".initial", torch::randn(shapes.at(name)).to(dtype_of(name)));
-      for (int step = 0; step < kSteps; ++step) {
+      for (int step = 0; step < kScalerSteps; ++step) {
         if (step == 6 && rank == 0 && name == "c") continue;  // no gradient on one rank for one step
         auto raw = torch::randn(shapes.at(name)) * (name == "b" ? 1.0 : 1e-3);
         if (step == 2 && rank == 1 && name == "a") raw[1] = inf;  // one rank overflows: all skip
@@ -69,7 +69,7 @@ void run_ours(const DistributedContext& context, const std::string& directory) {
   ShardedGradScaler scaler(context.world(), options);
   std::vector<std::pair<std::string, at::Tensor>> record;
   std::vector<double> scaled, scales, trackers;
-  for (int step = 0; step < kSteps; ++step) {
+  for (int step = 0; step < kScalerSteps; ++step) {
     scaled.push_back(scaler.scale(torch::tensor(1.5f)).item<double>());
     const auto scale = scaler.scale(torch::tensor(1.0f));
     for (size_t index = 0; index < kParameters.size(); ++index) {

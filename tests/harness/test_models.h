@@ -141,4 +141,25 @@ struct TinyTransformerImpl : torch::nn::Module, fsdp::PretrainedModel {
 };
 TORCH_MODULE(TinyTransformer);
 
+/// Next-token pairs for TinyTransformer: `rows` sequences of 6 tokens from a vocabulary of 11, drawn
+/// from `seed`; the inputs are tokens 0-4, the targets tokens 1-5. Each test file has its own seeds.
+inline std::pair<torch::Tensor, torch::Tensor> token_batch(uint64_t seed, int64_t rows) {
+  torch::manual_seed(seed);
+  auto tokens = torch::randint(0, 11, {rows, 6});
+  return {tokens.narrow(1, 0, 5), tokens.narrow(1, 1, 5)};
+}
+
+inline torch::Tensor next_token_loss(const torch::Tensor& logits, const torch::Tensor& targets) {
+  return torch::nn::functional::cross_entropy(logits.reshape({-1, logits.size(-1)}), targets.reshape({-1}));
+}
+
+/// This rank's rows of a global batch (dim 0 divided evenly over the ranks).
+inline torch::Tensor local_slice(const torch::Tensor& global, const DistributedContext& context) {
+  const int64_t local = global.size(0) / context.world_size();
+  return global.narrow(0, context.rank() * local, local);
+}
+
+/// The optimizer the engine and checkpoint tests train with.
+inline torch::optim::AdamWOptions adamw_options() { return torch::optim::AdamWOptions(1e-2).weight_decay(0.1); }
+
 }  // namespace fsdp::testing
