@@ -11,7 +11,9 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$root/scripts/flavor.sh"
 # fuzz_briefly's clang build, when it is among the tests to run: here on every core, before ctest,
 # where it would build on one core beside the other tests (scripts/fuzz.sh --build-only).
-if ctest --test-dir "$fsdp_build_dir" -N "$@" | grep -q ' fuzz_briefly$'; then
+# (grep reads the whole listing: with -q it could leave before ctest finishes writing, and pipefail
+# would then take ctest's SIGPIPE for "not listed".)
+if ctest --test-dir "$fsdp_build_dir" -N "$@" | grep ' fuzz_briefly$' >/dev/null; then
   FSDP_FUZZ_BUILD_DIR="$fsdp_build_dir/tests/fuzz" FSDP_VENV="$fsdp_venv" "$root/scripts/fuzz.sh" --build-only
   fsdp_step_done "$fsdp_flavor_name: build the fuzz targets (clang)"
 fi
