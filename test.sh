@@ -19,6 +19,7 @@ if ctest --test-dir "$fsdp_build_dir" -N "$@" | grep ' fuzz_briefly$' >/dev/null
 fi
 # ctest ends with its "Label Time Summary": each label's test time, in seconds times processors.
 status=0
-ctest --test-dir "$fsdp_build_dir" --output-on-failure -j "${FSDP_TEST_JOBS:-$(nproc)}" "$@" || status=$?
+# Without FSDP_PHASE_LOG: tests that run setup.sh (setup_errors, gpu_check) would add their steps.
+env -u FSDP_PHASE_LOG ctest --test-dir "$fsdp_build_dir" --output-on-failure -j "${FSDP_TEST_JOBS:-$(nproc)}" "$@" || status=$?
 fsdp_step_done "$fsdp_flavor_name: tests (ctest${*:+ $*})"
 exit "$status"

@@ -206,4 +206,10 @@ elif ((for_run)); then
   targets=(fsdp_cli train_llama)
 fi
 cmake --build "$build_dir" -j "$jobs" ${targets[@]+--target "${targets[@]}"}
-fsdp_step_done "$fsdp_flavor_name: build${targets[@]+ (${targets[*]})}"
+if ((${#targets[@]} == 0)); then
+  fsdp_step_done "$fsdp_flavor_name: build"
+elif ((${#targets[@]} <= 3)); then
+  fsdp_step_done "$fsdp_flavor_name: build (${targets[*]})"
+else
+  fsdp_step_done "$fsdp_flavor_name: build (${#targets[@]} targets: FSDP_BUILD_TARGETS)"
+fi

@@ -60,7 +60,12 @@ void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Modul
   const bool receives = options.sync_module_states && context.world_size() > 1 && context.rank() != 0;
   for (const auto& [prefix, module] : order) {
     if (!has_meta_tensors(*module, /*recurse=*/false)) continue;
-    const std::string path = prefix.empty() ? std::string("the unit's module") : "'" + prefix.substr(0, prefix.size() - 1) + "'";
+    // prefix is "" or a path with a trailing '.', which becomes the closing quote.
+    std::string path = "the unit's module";
+    if (!prefix.empty()) {
+      path = "'" + prefix;
+      path.back() = '\'';
+    }
     if (receives) {
       release_parameter_storage(*module, /*recurse=*/false);
       to_empty(*module, c10::kCPU, /*recurse=*/false);
