@@ -124,14 +124,13 @@ fi
 stamp="$venv/.fsdp-requirements.sha256"
 wanted="$(sha256sum "$requirements" | cut -d' ' -f1)"
 installed="$(cat "$stamp" 2>/dev/null || true)"
+satisfied=0
 if ((for_run)); then
-  satisfied=0
   [[ "$installed" == "$wanted" || "$installed" == "torch-only $wanted" ]] && satisfied=1
   pip_arguments=(-c "$requirements" "$(grep -m1 -E '^torch==' "$requirements")")
   what="torch (at $(basename "$requirements")'s pins)"
   new_stamp="torch-only $wanted"
 else
-  satisfied=0
   [[ "$installed" == "$wanted" ]] && satisfied=1
   pip_arguments=(-r "$requirements")
   what="$(basename "$requirements")"

@@ -20,6 +20,10 @@ namespace fsdp {
 namespace {
 
 namespace fs = std::filesystem;
+using testing::adamw_options;
+using testing::local_slice;
+using testing::next_token_loss;
+using testing::token_batch;
 using testing::unique_parameters;
 
 constexpr int64_t kBatch = 12;
@@ -37,12 +41,12 @@ struct Trainer {
     tail.reshard_after_forward = false;
     fully_shard({model->norm.ptr(), model->embed_tokens.ptr()}, context, tail);
     fully_shard(model.ptr(), context);
-    optimizer = std::make_unique<torch::optim::AdamW>(unique_parameters(*model), testing::adamw_options());
+    optimizer = std::make_unique<torch::optim::AdamW>(unique_parameters(*model), adamw_options());
   }
   void train(const DistributedContext& context, int first_step, int steps) {
     for (int step = first_step; step < first_step + steps; ++step) {
-      auto [inputs, targets] = testing::token_batch(4000 + step, kBatch);
-      testing::next_token_loss(fsdp::forward(model, testing::local_slice(inputs, context)), testing::local_slice(targets, context)).backward();
+      auto [inputs, targets] = token_batch(4000 + step, kBatch);
+      next_token_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
       optimizer->step();
       optimizer->zero_grad();
     }
@@ -53,10 +57,10 @@ struct Trainer {
 std::map<std::string, torch::Tensor> reference_after(uint64_t seed, int steps) {
   torch::manual_seed(seed);
   testing::TinyTransformer model;
-  torch::optim::AdamW optimizer(unique_parameters(*model), testing::adamw_options());
+  torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
   for (int step = 0; step < steps; ++step) {
-    auto [inputs, targets] = testing::token_batch(4000 + step, kBatch);
-    testing::next_token_loss(model->forward(inputs), targets).backward();
+    auto [inputs, targets] = token_batch(4000 + step, kBatch);
+    next_token_loss(model->forward(inputs), targets).backward();
     optimizer.step();
     optimizer.zero_grad();
   }
@@ -168,18 +172,18 @@ TEST(Checkpoint, HybridShardCheckpointsSaveOneCopyAndLoadBack) {
           return model;
         };
         auto original = make(21);
-        torch::optim::AdamW optimizer(unique_parameters(*original), testing::adamw_options());
+        torch::optim::AdamW optimizer(unique_parameters(*original), adamw_options());
         auto train = [&](testing::MlpStack& model, torch::optim::AdamW& opt, int step) {
           torch::manual_seed(5000 + step);
           auto inputs = torch::randn({kBatch, 3}), targets = torch::randn({kBatch, 2});
-          torch::mse_loss(fsdp::forward(model, testing::local_slice(inputs, context)), testing::local_slice(targets, context)).backward();
+          torch::mse_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
           opt.step();
           opt.zero_grad();
         };
         train(original, optimizer, 0);
         save_checkpoint(directory, *original, optimizer, context, {});
         auto resumed = make(22);
-        torch::optim::AdamW resumed_optimizer(unique_parameters(*resumed), testing::adamw_options());
+        torch::optim::AdamW resumed_optimizer(unique_parameters(*resumed), adamw_options());
         load_checkpoint(directory, *resumed, resumed_optimizer, context);
         train(original, optimizer, 1);
         train(resumed, resumed_optimizer, 1);
@@ -193,7 +197,7 @@ TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
   auto step = [](testing::MlpStack& model, torch::optim::AdamW& optimizer, const DistributedContext& context, int index) {
     torch::manual_seed(6000 + index);
     auto inputs = torch::randn({kBatch, 3}), targets = torch::randn({kBatch, 2});
-    torch::mse_loss(fsdp::forward(model, testing::local_slice(inputs, context)), testing::local_slice(targets, context)).backward();
+    torch::mse_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
     optimizer.step();
     optimizer.zero_grad();
   };
@@ -202,7 +206,7 @@ TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
     testing::MlpStack model;  // has a 0-dim temperature, sharded as one row owned by rank 0
     for (auto& block : model->blocks) fully_shard(block.ptr(), context);
     fully_shard(model.ptr(), context);
-    torch::optim::AdamW optimizer(unique_parameters(*model), testing::adamw_options());
+    torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
     step(model, optimizer, context, 0);
     save_checkpoint(directory, *model, optimizer, context, {});
   });
@@ -211,7 +215,7 @@ TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
     testing::MlpStack model;
     for (auto& block : model->blocks) fully_shard(block.ptr(), context);
     fully_shard(model.ptr(), context);
-    torch::optim::AdamW optimizer(unique_parameters(*model), testing::adamw_options());
+    torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
     load_checkpoint(directory, *model, optimizer, context);
     auto& state = static_cast<torch::optim::AdamWParamState&>(
         *optimizer.state().at(optimizer_state_key(model->temperature)));

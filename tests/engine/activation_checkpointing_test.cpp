@@ -14,7 +14,9 @@
 namespace fsdp {
 namespace {
 
+using testing::next_token_loss;
 using testing::tensors_close;
+using testing::token_batch;
 using testing::unique_parameters;
 
 /// Every parameter's gradient, by name (undefined ones included, as empty tensors).
@@ -31,10 +33,10 @@ TEST(ActivationCheckpointing, GradientsEqualThoseWithoutCheckpointingInOneProces
     return module.name() == "fsdp::testing::TransformerBlockImpl" || module.name() == "torch::nn::EmbeddingImpl";
   });
   EXPECT_EQ(marked, 3);
-  auto [inputs, targets] = testing::token_batch(700, 12);
+  auto [inputs, targets] = token_batch(700, 12);
   auto logits = fsdp::forward(model, inputs);
-  testing::next_token_loss(logits, targets).backward();
-  testing::next_token_loss(reference->forward(inputs), targets).backward();
+  next_token_loss(logits, targets).backward();
+  next_token_loss(reference->forward(inputs), targets).backward();
   const auto expected = gradients_of(*reference);
   for (const auto& [name, gradient] : gradients_of(*model)) {
     ASSERT_TRUE(gradient.defined()) << name;
@@ -59,11 +61,11 @@ void train_sharded_and_compare(const DistributedContext& context, testing::TinyT
   torch::optim::AdamW reference_optimizer(unique_parameters(*reference), torch::optim::AdamWOptions(1e-2));
   const int64_t local = 12 / context.world_size();
   for (int step = 0; step < 3; ++step) {
-    auto [inputs, targets] = testing::token_batch(700 + step, 12);
-    testing::next_token_loss(fsdp::forward(model, inputs.narrow(0, context.rank() * local, local)),
+    auto [inputs, targets] = token_batch(700 + step, 12);
+    next_token_loss(fsdp::forward(model, inputs.narrow(0, context.rank() * local, local)),
                     targets.narrow(0, context.rank() * local, local))
         .backward();
-    testing::next_token_loss(reference->forward(inputs), targets).backward();
+    next_token_loss(reference->forward(inputs), targets).backward();
     testing::expect_sharded_gradients_match(*model, *reference, what);
     optimizer.step();
     optimizer.zero_grad();
@@ -103,7 +105,7 @@ TEST(ActivationCheckpointing, AUnitInsideACheckpointedModuleIsAnError) {
     fully_shard(block->up.ptr(), context);
     checkpoint_module(block.ptr());
     fully_shard(model.ptr(), context);
-    auto [inputs, targets] = testing::token_batch(700, 12);
+    auto [inputs, targets] = token_batch(700, 12);
     const auto message = testing::error_message_of([&] { fsdp::forward(model, inputs); });
     EXPECT_NE(message.find("runs inside an activation-checkpointed module"), std::string::npos) << message;
     EXPECT_NE(message.find("LinearImpl"), std::string::npos) << message;

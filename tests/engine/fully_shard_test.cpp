@@ -14,9 +14,13 @@
 namespace fsdp {
 namespace {
 
+using testing::adamw_options;
 using testing::full_parameters;
+using testing::local_slice;
 using testing::named_copies;
+using testing::next_token_loss;
 using testing::tensors_close;
+using testing::token_batch;
 using testing::unique_parameters;
 
 constexpr int64_t kGlobalBatch = 12;  // divisible by 1, 2, 3 and 4 ranks
@@ -41,11 +45,11 @@ void expect_parameters_match(torch::nn::Module& sharded, const torch::nn::Module
 template <typename Model, typename MakeBatch, typename Loss>
 void train_and_compare(const DistributedContext& context, Model& sharded, Model& reference, MakeBatch make_batch,
                        Loss loss_of, const std::string& what) {
-  torch::optim::AdamW optimizer(unique_parameters(*sharded), testing::adamw_options());
-  torch::optim::AdamW reference_optimizer(unique_parameters(*reference), testing::adamw_options());
+  torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+  torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
   for (int step = 0; step < kSteps; ++step) {
     auto [inputs, targets] = make_batch(step);
-    auto local_loss = loss_of(fsdp::forward(sharded, testing::local_slice(inputs, context)), testing::local_slice(targets, context));
+    auto local_loss = loss_of(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context));
     local_loss.backward();
     auto reference_loss = loss_of(reference->forward(inputs), targets);
     reference_loss.backward();
@@ -96,8 +100,8 @@ void run_parity(const DistributedContext& context, ShardingStrategy strategy) {
     auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(8);
     shard_transformer(sharded, context, options);
     train_and_compare(
-        context, sharded, reference, [](int step) { return testing::token_batch(2000 + step, kGlobalBatch); },
-        testing::next_token_loss, "transformer");
+        context, sharded, reference, [](int step) { return token_batch(2000 + step, kGlobalBatch); },
+        next_token_loss, "transformer");
   }
 }
 
@@ -167,9 +171,9 @@ TEST(FullyShard, EachRankStoresOnlyItsShardOfParametersAndOptimizerState) {
     // About 1/N plus padding (each parameter pads to a multiple of N rows).
     EXPECT_LE(stored, expected_total / 3 + 60);
 
-    torch::optim::AdamW optimizer(unique_parameters(*model), testing::adamw_options());
+    torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
     auto [inputs, targets] = mlp_batch(0);
-    mse(fsdp::forward(model, testing::local_slice(inputs, context)), testing::local_slice(targets, context)).backward();
+    mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
     optimizer.step();
     for (const auto& parameter : unique_parameters(*model)) {
       ASSERT_TRUE(parameter.grad().defined());
@@ -188,7 +192,7 @@ TEST(FullyShard, FullShardFreesUnshardedParametersAfterForwardAndBackward) {
     testing::MlpStack model;
     shard_mlp(model, context, {});
     auto [inputs, targets] = mlp_batch(0);
-    auto loss = mse(fsdp::forward(model, testing::local_slice(inputs, context)), testing::local_slice(targets, context));
+    auto loss = mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context));
     for (const auto& unit : fsdp_modules(*model)) {
       if (unit.is_root()) {
         // FSDP2 keeps the root gathered: backward starts with it.
@@ -213,7 +217,7 @@ TEST(FullyShard, ShardGradOpKeepsParametersGatheredUntilBackward) {
     options.sharding_strategy = ShardingStrategy::kShardGradOp;
     shard_mlp(model, context, options);
     auto [inputs, targets] = mlp_batch(0);
-    auto loss = mse(fsdp::forward(model, testing::local_slice(inputs, context)), testing::local_slice(targets, context));
+    auto loss = mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context));
     for (const auto& unit : fsdp_modules(*model)) EXPECT_GT(unit.unsharded_buffer_bytes(), 0);
     loss.backward();
     for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
@@ -225,16 +229,16 @@ TEST(FullyShard, GradientAccumulationOverFourMicroStepsEqualsOneLargeBatch) {
     auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     shard_mlp(sharded, context, {});
     auto root = *fsdp_module_of(*sharded);
-    torch::optim::AdamW optimizer(unique_parameters(*sharded), testing::adamw_options());
-    torch::optim::AdamW reference_optimizer(unique_parameters(*reference), testing::adamw_options());
+    torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+    torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
     for (int step = 0; step < 2; ++step) {
       torch::manual_seed(3000 + step);
       auto inputs = torch::randn({4 * kGlobalBatch, 3});
       auto targets = torch::randn({4 * kGlobalBatch, 2});
       for (int micro = 0; micro < 4; ++micro) {
         root.set_requires_gradient_sync(micro == 3);
-        auto micro_inputs = testing::local_slice(inputs.narrow(0, micro * kGlobalBatch, kGlobalBatch), context);
-        auto micro_targets = testing::local_slice(targets.narrow(0, micro * kGlobalBatch, kGlobalBatch), context);
+        auto micro_inputs = local_slice(inputs.narrow(0, micro * kGlobalBatch, kGlobalBatch), context);
+        auto micro_targets = local_slice(targets.narrow(0, micro * kGlobalBatch, kGlobalBatch), context);
         (mse(fsdp::forward(sharded, micro_inputs), micro_targets) / 4).backward();
         if (micro < 3) {
           // Nothing reduced yet: the sharded gradients are untouched.
@@ -259,11 +263,11 @@ TEST(FullyShard, ClipGradNormEqualsSingleProcessNorm) {
     for (double norm_type : {2.0, std::numeric_limits<double>::infinity()}) {
       auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(9);
       shard_transformer(sharded, context, {});
-      torch::optim::AdamW optimizer(unique_parameters(*sharded), testing::adamw_options());
-      torch::optim::AdamW reference_optimizer(unique_parameters(*reference), testing::adamw_options());
-      auto [inputs, targets] = testing::token_batch(2000, kGlobalBatch);
-      testing::next_token_loss(fsdp::forward(sharded, testing::local_slice(inputs, context)), testing::local_slice(targets, context)).backward();
-      testing::next_token_loss(reference->forward(inputs), targets).backward();
+      torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+      torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
+      auto [inputs, targets] = token_batch(2000, kGlobalBatch);
+      next_token_loss(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context)).backward();
+      next_token_loss(reference->forward(inputs), targets).backward();
       const double norm = fsdp::clip_grad_norm_(*sharded, 0.05, norm_type);
       const double expected =
           torch::nn::utils::clip_grad_norm_(unique_parameters(*reference), 0.05, norm_type);
@@ -300,11 +304,11 @@ TEST(FullyShard, UnusedParametersDoNotHangAndStayWithoutGradient) {
     fully_shard(sharded->first.ptr(), context);
     fully_shard(sharded->second->unused.ptr(), context);  // a unit that never runs
     fully_shard(sharded.ptr(), context);
-    torch::optim::AdamW optimizer(unique_parameters(*sharded), testing::adamw_options());
-    torch::optim::AdamW reference_optimizer(unique_parameters(*reference), testing::adamw_options());
+    torch::optim::AdamW optimizer(unique_parameters(*sharded), adamw_options());
+    torch::optim::AdamW reference_optimizer(unique_parameters(*reference), adamw_options());
     for (int step = 0; step < 2; ++step) {
       auto [inputs, targets] = mlp_batch(step);
-      mse(fsdp::forward(sharded, testing::local_slice(inputs, context)), testing::local_slice(targets, context)).backward();
+      mse(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context)).backward();
       EXPECT_FALSE(sharded->first->unused->weight.grad().defined());
       EXPECT_FALSE(sharded->second->unused->weight.grad().defined());
       EXPECT_TRUE(sharded->first->used->weight.grad().defined());
@@ -390,8 +394,8 @@ TEST(FullyShard, AUnitCalledTwicePerForwardTrainsLikeSingleProcess) {
       }
       auto [inputs, targets] = mlp_batch(0);
       // bf16 compute: the gradients exist, have the sharded shapes and are close to fp32 ones.
-      auto output = fsdp::forward(sharded, testing::local_slice(inputs, context).to(torch::kBFloat16));
-      mse(output.to(torch::kFloat), testing::local_slice(targets, context)).backward();
+      auto output = fsdp::forward(sharded, local_slice(inputs, context).to(torch::kBFloat16));
+      mse(output.to(torch::kFloat), local_slice(targets, context)).backward();
       for (const auto& parameter : unique_parameters(*sharded)) {
         ASSERT_TRUE(parameter.grad().defined());
         EXPECT_EQ(parameter.grad().sizes(), parameter.sizes());
@@ -406,7 +410,7 @@ TEST(FullyShard, AStepWhoseBackwardThrowsDoesNotBreakTheNextStep) {
     shard_mlp(sharded, context, {});
     {
       auto [inputs, targets] = mlp_batch(0);
-      auto loss = mse(fsdp::forward(sharded, testing::local_slice(inputs, context)), testing::local_slice(targets, context));
+      auto loss = mse(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context));
       auto hidden = loss * 1.0;
       hidden.register_hook([](const torch::Tensor&) -> torch::Tensor { TORCH_CHECK(false, "a failing hook"); });
       EXPECT_NE(testing::error_message_of([&] { hidden.backward(); }).find("a failing hook"), std::string::npos);
@@ -444,7 +448,7 @@ TEST(FullyShard, RanksUsingDifferentParametersOfAUnitAgreeOnTheCollectives) {
     fully_shard(sharded->inner.ptr(), context);
     fully_shard(sharded.ptr(), context);
     auto [inputs, targets] = mlp_batch(0);
-    mse(fsdp::forward(sharded, testing::local_slice(inputs, context), context.rank()), testing::local_slice(targets, context)).backward();
+    mse(fsdp::forward(sharded, local_slice(inputs, context), context.rank()), local_slice(targets, context)).backward();
     // Single process: the average of what each rank computed.
     torch::Tensor reference_loss = torch::zeros({});
     for (int64_t rank = 0; rank < 2; ++rank) {
@@ -464,9 +468,9 @@ void expect_mixed_precision_trains(c10::ScalarType param_dtype) {
     options.mixed_precision.reduce_dtype = torch::kFloat;
     shard_mlp(sharded, context, options);
     auto [inputs, targets] = mlp_batch(0);
-    auto output = fsdp::forward(sharded, testing::local_slice(inputs, context));
+    auto output = fsdp::forward(sharded, local_slice(inputs, context));
     EXPECT_EQ(output.scalar_type(), param_dtype);
-    auto loss = mse(output.to(torch::kFloat), testing::local_slice(targets, context));
+    auto loss = mse(output.to(torch::kFloat), local_slice(targets, context));
     loss.backward();
     for (const auto& parameter : unique_parameters(*sharded)) {
       EXPECT_EQ(parameter.scalar_type(), torch::kFloat);
@@ -490,14 +494,14 @@ TEST(FullyShard, EvaluationWithoutGradFreesEveryUnitIncludingTheRoot) {
     shard_mlp(model, context, {});
     torch::NoGradGuard no_grad;
     auto [inputs, targets] = mlp_batch(0);
-    auto output = fsdp::forward(model, testing::local_slice(inputs, context));
+    auto output = fsdp::forward(model, local_slice(inputs, context));
     EXPECT_EQ(output.size(0), kGlobalBatch / 2);
     for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
 
     // A tied output head outside the embedding's unit still sees the gathered weight.
     auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(9);
     shard_transformer(sharded, context, {});
-    auto [tokens, unused] = testing::token_batch(2000, kGlobalBatch);
+    auto [tokens, unused] = token_batch(2000, kGlobalBatch);
     EXPECT_TRUE(tensors_close(fsdp::forward(sharded, tokens), reference->forward(tokens)));
     for (const auto& unit : fsdp_modules(*sharded)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
   });
