@@ -6,7 +6,7 @@
 //   fsdp launch --nproc-per-node 2 -- build/bin/collective_bench [--megabytes 64] [--directory /tmp/x]
 #include <fsdp/fsdp.h>
 
-#include "dist/c10d_backend.h"
+#include "dist/c10d/backend.h"
 
 #include <torch/torch.h>
 

@@ -43,6 +43,11 @@ struct DistributedEnvironment {
   std::string launcher = "none";
   /// Timeout for rendezvous and for every collective (FSDP_COLLECTIVE_TIMEOUT, seconds). Default: 300 s.
   std::chrono::milliseconds timeout = std::chrono::seconds(300);
+  /// Whether every collective carries the header that names ranks which issued different
+  /// collectives (FSDP_CHECK_COLLECTIVES: 1 or 0; Note [Collective check] in docs/design.md).
+  /// Default: true. Off, a divergence is a timeout naming the collective, never an exchange of
+  /// another collective's bytes; it exists to measure the check's cost.
+  bool check_collectives = true;
 
   bool is_distributed() const { return world_size > 1; }
   int64_t num_nodes() const { return world_size / local_world_size; }

@@ -1,7 +1,7 @@
 // Process groups: who talks to whom.
 //
 // A `ProcessGroup` is a cheap, copyable handle to a set of ranks that run collectives together (a
-// c10d Gloo group underneath; see src/dist/c10d_backend.cpp, the only file that touches c10d). A
+// c10d Gloo group underneath; see src/dist/c10d/, the only directory that touches c10d). A
 // `DistributedContext` owns the rendezvous store and the three groups FSDP needs: the whole world,
 // the ranks on this machine (the shard group of HYBRID_SHARD) and the ranks with the same local
 // rank on every machine (its replicate group). All groups are created on every rank in the same
@@ -28,7 +28,10 @@ struct CollectiveByteCounters {
   int64_t reduce_scatter = 0;
   int64_t all_reduce = 0;
   int64_t broadcast = 0;
-  int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast; }
+  /// The headers of the collective check (Note [Collective check], docs/design.md): 256 bytes to
+  /// every peer per collective while FSDP_CHECK_COLLECTIVES is on (the default); 0 with it off.
+  int64_t check = 0;
+  int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + check; }
 };
 
 namespace detail {

@@ -134,6 +134,12 @@ DistributedEnvironment parse_distributed_environment(const EnvironmentMap& varia
   } else {
     environment.timeout = kDefaultCollectiveTimeout;
   }
+  if (auto check = lookup(variables, "FSDP_CHECK_COLLECTIVES")) {
+    TORCH_CHECK(*check == "0" || *check == "1", "distributed environment: FSDP_CHECK_COLLECTIVES='", *check,
+                "' is neither 1 (check that every rank issues the same collectives, the default) nor 0 (no check, "
+                "for measuring its cost); set it to 1 or 0, or unset it.");
+    environment.check_collectives = *check == "1";
+  }
 
   const LauncherFamily* family = nullptr;
   for (const auto& candidate : launcher_families()) {

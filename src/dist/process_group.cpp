@@ -1,8 +1,8 @@
-// Process groups and the rendezvous that creates them. c10d itself is behind dist/c10d_backend.h.
+// Process groups and the rendezvous that creates them. c10d itself is behind dist/c10d/backend.h.
 #include <fsdp/collectives.h>
 #include <fsdp/process_group.h>
 
-#include "dist/c10d_backend.h"
+#include "dist/c10d/backend.h"
 
 #include <ATen/ATen.h>
 
@@ -29,6 +29,7 @@ CollectiveByteCounters ProcessGroup::bytes_sent() const {
   counters.reduce_scatter = group.bytes_reduce_scatter.load();
   counters.all_reduce = group.bytes_all_reduce.load();
   counters.broadcast = group.bytes_broadcast.load();
+  counters.check = group.bytes_check.load();
   return counters;
 }
 
@@ -38,6 +39,7 @@ void ProcessGroup::reset_bytes_sent() const {
   group.bytes_reduce_scatter = 0;
   group.bytes_all_reduce = 0;
   group.bytes_broadcast = 0;
+  group.bytes_check = 0;
 }
 
 void ProcessGroup::start_trace() const {

@@ -9,6 +9,7 @@
 #include <c10/util/Exception.h>
 #include <gtest/gtest.h>
 #include <chrono>
+#include <map>
 #include <thread>
 #include <fstream>
 #include <filesystem>
@@ -106,32 +107,79 @@ TEST_P(Collectives, InterleavedAsyncCollectivesKeepTheirOwnData) {
 }
 
 // query() is the event-like half of CollectiveWork (Note [a block returns after its last use]): it
-// says "done" after wait(). An async collective returns once every member has issued the same one
-// (Note [Collective frames]): the peers here mark a file just before they issue theirs, after rank 0
-// has issued, and rank 0 finds every mark when its issue returns.
-TEST_P(Collectives, AnAsyncCollectiveReturnsOnceEveryRankIssuedItAndQueryIsTrueAfterWait) {
+// says "done" after wait(). An async collective returns without waiting for any peer (Note
+// [Collective check]): the peers here issue theirs only once rank 0's issue has returned, so an issue
+// that waited for them (the frames of before) fails this test after the peers' deadline.
+TEST_P(Collectives, AnAsyncCollectiveReturnsBeforeAnyPeerIssuedItAndQueryIsTrueAfterWait) {
   const auto directory = testing::shared_temporary_directory();
-  testing::run_on_ranks(GetParam(), [directory](const DistributedContext& context) {
-    const auto& world = context.world();
-    const int64_t size = world.size();
-    auto gathered = at::empty({size * 4}, at::kFloat);
-    auto shard = at::full({4}, static_cast<float>(world.rank()), at::kFloat);
-    auto mark = [&](int64_t rank) { return directory + "/issued_" + std::to_string(rank); };
-    if (world.rank() == 0) {
-      barrier(context.control());
-      auto work = all_gather_async(world, gathered, shard);
-      for (int64_t peer = 1; peer < size; ++peer) EXPECT_TRUE(std::filesystem::exists(mark(peer))) << peer;
-      work.wait();
-      EXPECT_TRUE(work.query());
-      EXPECT_TRUE(work.completed());
-    } else {
-      barrier(context.control());
-      std::this_thread::sleep_for(std::chrono::milliseconds(50));  // let rank 0 be first to issue
-      std::ofstream(mark(world.rank())) << "issued";
-      all_gather(world, gathered, shard);
-    }
-    for (int64_t peer = 0; peer < size; ++peer) EXPECT_EQ(gathered[peer * 4 + 3].item<float>(), peer);
-  });
+  testing::MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(10);
+  testing::run_on_ranks(
+      GetParam(),
+      [directory](const DistributedContext& context) {
+        const auto& world = context.world();
+        const int64_t size = world.size();
+        auto gathered = at::empty({size * 4}, at::kFloat);
+        auto shard = at::full({4}, static_cast<float>(world.rank()), at::kFloat);
+        const auto mark = directory + "/rank0_issued";
+        barrier(context.control());
+        if (world.rank() == 0) {
+          world.reset_bytes_sent();
+          auto work = all_gather_async(world, gathered, shard);
+          std::ofstream(mark) << "issued";
+          // One header to every peer beside the data, and nothing waited for (Note [Collective check]).
+          EXPECT_EQ(world.bytes_sent().check, (size - 1) * 256);
+          EXPECT_EQ(world.bytes_sent().all_gather, (size - 1) * 4 * 4);
+          work.wait();
+          EXPECT_TRUE(work.query());
+          EXPECT_TRUE(work.completed());
+        } else {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (!std::filesystem::exists(mark) && std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+          ASSERT_TRUE(std::filesystem::exists(mark)) << "rank 0's all_gather_async did not return before its peers issued";
+          all_gather(world, gathered, shard);
+        }
+        for (int64_t peer = 0; peer < size; ++peer) EXPECT_EQ(gathered[peer * 4 + 3].item<float>(), peer);
+      },
+      options);
+}
+
+// The same for Gloo's own all-reduce, which the group's queue issues once the headers matched, and
+// for a broadcast: neither waits for a peer when issued.
+TEST_P(Collectives, AsyncAllReduceAndBroadcastReturnBeforeAnyPeerIssuedThem) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(10);
+  testing::run_on_ranks(
+      GetParam(),
+      [directory](const DistributedContext& context) {
+        const auto& world = context.world();
+        const int64_t size = world.size();
+        auto summed = at::full({5}, static_cast<float>(world.rank() + 1), at::kFloat);
+        auto sent = at::full({3}, world.rank() == 0 ? 7.0 : 0.0, at::kDouble);
+        const auto mark = directory + "/rank0_issued";
+        barrier(context.control());
+        if (world.rank() == 0) {
+          auto reduction = all_reduce_async(world, summed);
+          auto spread = broadcast_async(world, sent, 0);
+          std::ofstream(mark) << "issued";
+          reduction.wait();
+          spread.wait();
+        } else {
+          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+          while (!std::filesystem::exists(mark) && std::chrono::steady_clock::now() < deadline) {
+            std::this_thread::sleep_for(std::chrono::milliseconds(5));
+          }
+          ASSERT_TRUE(std::filesystem::exists(mark)) << "rank 0's async all_reduce or broadcast waited for its peers";
+          all_reduce(world, summed);
+          broadcast(world, sent, 0);
+        }
+        EXPECT_TRUE(summed.equal(at::full({5}, static_cast<float>(size * (size + 1) / 2), at::kFloat))) << summed;
+        EXPECT_TRUE(sent.equal(at::full({3}, 7.0, at::kDouble))) << sent;
+      },
+      options);
 }
 
 INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
@@ -140,7 +188,7 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
                            return name += std::to_string(info.param);
                          });
 
-// Note [Collective frames]: ranks whose programs diverged get one error on every rank naming what
+// Note [Collective check]: ranks whose programs diverged get one error on every rank naming what
 // each issued. A longer all-gather on one rank used to abort the process inside Gloo
 // ("op.preamble.length <= op.nbytes", exit 134), and two units of the same size exchanged each
 // other's bytes without a word (issue Reliability). After the error the group still works.
@@ -212,6 +260,36 @@ TEST(CollectiveFrames, ARankThatNeverIssuesTheCollectiveIsNamedAfterTheTimeout) 
         const auto message = error_message_of([&] { all_gather(world, gathered, shard); });
         EXPECT_NE(message.find("exchanging what each rank issues"), std::string::npos) << message;
         EXPECT_NE(message.find("Ranks that never issued it: 2."), std::string::npos) << message;
+      },
+      options);
+}
+
+// FSDP_CHECK_COLLECTIVES=0 sends no headers, but the data still travels on a slot keyed by what
+// each rank issued: two units of the same size on different ranks never take each other's bytes;
+// they time out naming the collective instead of a named difference.
+TEST(CollectiveFrames, WithTheCheckOffNoHeaderIsSentAndDivergedRanksTimeOutInsteadOfSwappingBytes) {
+  testing::MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(2);
+  options.environment_for_rank = [](int) { return std::map<std::string, std::string>{{"FSDP_CHECK_COLLECTIVES", "0"}}; };
+  testing::run_on_ranks(
+      2,
+      [](const DistributedContext& context) {
+        const auto& world = context.world();
+        const int64_t rank = world.rank();
+        world.reset_bytes_sent();
+        auto gathered = at::empty({4});
+        all_gather(world, gathered, at::full({2}, static_cast<float>(rank)));
+        EXPECT_TRUE(gathered.equal(at::tensor({0.0f, 0.0f, 1.0f, 1.0f}))) << gathered;
+        EXPECT_EQ(world.bytes_sent().check, 0);
+        auto out = at::full({4}, -1.0f);
+        const auto message = error_message_of([&] {
+          detail::ActivityScope unit(rank == 1 ? "FSDP unit model.layers.1" : "FSDP unit model.layers.0");
+          all_gather(world, out, at::full({2}, 5.0f + rank));
+        });
+        EXPECT_NE(message.find("all_gather on group 'world'"), std::string::npos) << message;
+        EXPECT_NE(message.find("imed out"), std::string::npos) << message;
+        // Only this rank's own chunk was written: the peer's chunk for another unit never arrived.
+        EXPECT_EQ(out[(1 - rank) * 2].item<float>(), -1.0f) << out;
       },
       options);
 }

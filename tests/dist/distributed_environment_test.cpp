@@ -30,8 +30,11 @@ TEST(DistributedEnvironment, TorchrunVariables) {
                                                     {"GROUP_RANK", "1"},
                                                     {"MASTER_ADDR", "10.1.2.3"},
                                                     {"MASTER_PORT", "1234"},
-                                                    {"FSDP_COLLECTIVE_TIMEOUT", "2.5"}});
+                                                    {"FSDP_COLLECTIVE_TIMEOUT", "2.5"},
+                                                    {"FSDP_CHECK_COLLECTIVES", "0"}});
   EXPECT_EQ(environment.launcher, "torchrun");
+  EXPECT_FALSE(environment.check_collectives);
+  EXPECT_TRUE(parse_distributed_environment({}).check_collectives);
   EXPECT_EQ(environment.rank, 5);
   EXPECT_EQ(environment.world_size, 8);
   EXPECT_EQ(environment.local_rank, 1);
@@ -158,6 +161,8 @@ INSTANTIATE_TEST_SUITE_P(
                        {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "3"}}, {"GROUP_RANK=3"}},
         BadEnvironment{"bad timeout", {{"FSDP_COLLECTIVE_TIMEOUT", "soon"}}, {"FSDP_COLLECTIVE_TIMEOUT='soon'", "seconds"}},
         BadEnvironment{"negative timeout", {{"FSDP_COLLECTIVE_TIMEOUT", "-3"}}, {"FSDP_COLLECTIVE_TIMEOUT='-3'"}},
+        BadEnvironment{"check neither 0 nor 1", {{"FSDP_CHECK_COLLECTIVES", "off"}},
+                       {"FSDP_CHECK_COLLECTIVES='off'", "set it to 1 or 0"}},
         BadEnvironment{"open mpi rank without size", {{"OMPI_COMM_WORLD_RANK", "0"}}, {"OMPI_COMM_WORLD_SIZE"}},
         BadEnvironment{"slurm bad tasks per node",
                        {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "x"}},

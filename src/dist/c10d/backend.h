@@ -1,5 +1,5 @@
-// Private: the seam between fsdp.cpp and c10d. Only c10d_backend.cpp includes c10d headers, so a
-// new backend (NCCL) changes that one file.
+// Private: the seam between fsdp.cpp and c10d. Only the files of src/dist/c10d/ include c10d's
+// headers (through dist/c10d/internal.h), so a new backend changes that directory alone.
 #pragma once
 
 #include <atomic>
@@ -14,9 +14,9 @@
 
 namespace fsdp::detail {
 
-/// The c10d objects behind a group (defined in c10d_backend.cpp).
+/// The c10d objects behind a group (defined in dist/c10d/internal.h).
 struct BackendGroup;
-/// The rendezvous store (defined in c10d_backend.cpp).
+/// The rendezvous store (defined in dist/c10d/internal.h).
 struct BackendStore;
 
 struct ProcessGroupState {
@@ -27,17 +27,21 @@ struct ProcessGroupState {
   std::vector<int64_t> global_ranks;
   int64_t global_rank = 0;
   std::chrono::milliseconds timeout{0};
+  /// Note [Collective check]: headers travel beside every collective (FSDP_CHECK_COLLECTIVES).
+  bool check_collectives = true;
   /// Null for a group of one rank: its collectives are local copies.
   std::shared_ptr<BackendGroup> backend;
-  /// Slot of the next point-to-point exchange; every member issues collectives in the same order, so
-  /// the counters agree without communication. Gloo's own collectives use prefixed slots, never these.
-  std::atomic<uint32_t> next_exchange_tag{0};
+  /// Sequence number of the next collective; every member issues collectives in the same order, so
+  /// the counters agree without communication. It names the collective's point-to-point slots (Note
+  /// [Collective check]); Gloo's own collectives use prefixed slots, never these.
+  std::atomic<uint32_t> next_sequence{0};
 
   // Bytes this rank handed to the transport, per collective kind.
   std::atomic<int64_t> bytes_all_gather{0};
   std::atomic<int64_t> bytes_reduce_scatter{0};
   std::atomic<int64_t> bytes_all_reduce{0};
   std::atomic<int64_t> bytes_broadcast{0};
+  std::atomic<int64_t> bytes_check{0};
 
   // ProcessGroup::start_trace / stop_trace.
   std::mutex trace_mutex;

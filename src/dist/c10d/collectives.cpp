@@ -1,0 +1,489 @@
+// The collectives of include/fsdp/collectives.h: Note [Collectives on Gloo] (docs/design.md) says
+// what each is built from, Note [Collective check] how ranks that issued different ones are named,
+// and Note [The GPU path] how CUDA tensors take NCCL instead (dist/c10d/nccl.cpp).
+#include "dist/c10d/internal.h"
+#include "dist/activity.h"
+
+#include <fsdp/collectives.h>
+
+#include <cmath>
+#include <sstream>
+
+#include "memory/buffer_pool.h"
+
+namespace fsdp {
+namespace detail {
+
+void wait_works(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::vector<int64_t>& peers,
+                const std::vector<int64_t>& others, const std::string& description,
+                std::chrono::milliseconds timeout) {
+  for (size_t index = 0; index < works.size(); ++index) {
+    try {
+      works[index]->wait();
+    } catch (const std::exception& error) {
+      std::string peer;
+      if (index < peers.size()) {
+        peer = " in the exchange with rank " + std::to_string(peers[index]);
+      } else if (others.size() == 1) {
+        peer = " in the exchange with rank " + std::to_string(others.front());
+      } else if (!others.empty()) {
+        peer = " in an exchange with one of ranks ";
+        for (size_t other = 0; other < others.size() && other < 16; ++other) {
+          peer += (other ? ", " : "") + std::to_string(others[other]);
+        }
+        if (others.size() > 16) peer += ", ...";
+      }
+      TORCH_CHECK(false, description, " failed", peer, ": ", error.what(),
+                  ". A peer rank probably exited or stopped calling collectives in the same order; read the other "
+                  "ranks' logs. (Collective timeout: ", timeout.count() / 1000.0,
+                  " s, set with FSDP_COLLECTIVE_TIMEOUT.)");
+    }
+  }
+}
+
+c10d::ReduceOp to_c10d(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return c10d::ReduceOp::SUM;
+    case ReduceOp::kMax:
+      return c10d::ReduceOp::MAX;
+    case ReduceOp::kMin:
+      return c10d::ReduceOp::MIN;
+  }
+  TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
+}
+
+
+}  // namespace detail
+
+namespace {
+
+using detail::CollectiveKind;
+using detail::CollectiveWorkState;
+using detail::IssuedCollective;
+using detail::ProcessGroupState;
+
+std::string describe(const ProcessGroupState& group, const char* operation, const at::Tensor& tensor) {
+  std::ostringstream text;
+  text << "[rank " << group.global_rank << "] " << operation << " on group '" << group.name << "' (" << group.size
+       << " ranks, " << tensor.numel() << " x " << tensor.scalar_type() << ")";
+  return text.str();
+}
+
+void check_buffer(const ProcessGroupState& group, const char* operation, const char* role, const at::Tensor& tensor) {
+  TORCH_CHECK(tensor.defined(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
+              " tensor is undefined; pass an allocated buffer.");
+  if (!tensor.device().is_cpu()) {
+    TORCH_CHECK(detail::gpu_path_built(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
+                " tensor is on ", tensor.device(),
+                " but this build of fsdp.cpp has no GPU path: its groups move CPU tensors. Move it with .cpu(), or "
+                "build fsdp.cpp against a CUDA libtorch (README, 'The GPU path').");
+    TORCH_CHECK(tensor.is_cuda(), "[rank ", group.global_rank, "] ", operation, ": the ", role, " tensor is on ",
+                tensor.device(), "; fsdp.cpp's groups move CPU tensors (Gloo) and CUDA tensors (NCCL).");
+  }
+  TORCH_CHECK(tensor.is_contiguous(), "[rank ", group.global_rank, "] ", operation, ": the ", role,
+              " tensor must be contiguous (got strides ", tensor.strides(), "); call .contiguous() first.");
+}
+
+void check_divide_factor(const ProcessGroupState& group, const char* name, double factor, const at::Tensor& tensor) {
+  if (factor == 1.0) return;
+  TORCH_CHECK(std::isfinite(factor) && factor > 0, "[rank ", group.global_rank, "] reduce_scatter: ", name, "=",
+              factor, " must be a positive finite number.");
+  TORCH_CHECK(at::isFloatingType(tensor.scalar_type()), "[rank ", group.global_rank, "] reduce_scatter: ", name, "=",
+              factor, " needs a floating dtype but the buffer is ", tensor.scalar_type(), "; use 1 for integers.");
+}
+
+at::Tensor as_bytes(const at::Tensor& tensor) { return tensor.reshape({-1}).view(at::kByte); }
+
+bool on_gpu(const at::Tensor& tensor) { return tensor.defined() && tensor.is_cuda(); }
+
+CollectiveWork completed_work() {
+  auto state = std::make_shared<CollectiveWorkState>();
+  state->done = true;
+  return CollectiveWork(state);
+}
+
+struct Pending {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<int64_t> peers;  // for point-to-point works, the global rank of each
+  std::function<void()> finish;
+  std::shared_future<c10::intrusive_ptr<c10d::Work>> deferred;
+};
+
+CollectiveWork pending_work(const ProcessGroupState& group, const IssuedCollective& issued, std::string description,
+                            Pending pending = {}) {
+  auto state = std::make_shared<CollectiveWorkState>();
+  state->works = std::move(pending.works);
+  state->peers = std::move(pending.peers);
+  for (const auto rank : group.global_ranks) {
+    if (rank != group.global_rank) state->others.push_back(rank);
+  }
+  // A deferred collective's check is verified by the queue that issues it, and fails through it.
+  if (!pending.deferred.valid()) state->check = issued.check;
+  state->deferred = std::move(pending.deferred);
+  state->finish = std::move(pending.finish);
+  state->description = std::move(description);
+  // Recorded when issued: the wait may come later, inside another unit's work.
+  if (!detail::current_activity().empty()) state->description += " (for " + detail::current_activity() + ")";
+  state->timeout = group.timeout;
+  return CollectiveWork(state);
+}
+
+void check_same_device(const ProcessGroupState& group, const char* operation, const at::Tensor& output,
+                       const at::Tensor& input) {
+  // NCCL moves device memory and Gloo host memory, and one collective cannot mix them.
+  TORCH_CHECK(output.device() == input.device(), "[rank ", group.global_rank, "] ", operation, " on group '",
+              group.name, "': the output is on ", output.device(), " but the input on ", input.device(),
+              "; put both on the device the collective runs on.");
+}
+
+// Reduces the N rows of `rows` (shape [N, s]) into `output` (s elements), in rank order. Pairwise
+// adds stream through memory once per row; at::sum over dim 0 of the same rows is 3.5x slower here.
+// bf16 and fp16 accumulate in fp32, which also makes a pre-divide unnecessary against overflow.
+void reduce_rows_into(const at::Tensor& output, const at::Tensor& rows, ReduceOp op) {
+  const auto dtype = rows.scalar_type();
+  const int64_t count = rows.size(0);
+  if (dtype == at::kBool) {
+    output.copy_(op == ReduceOp::kMin ? rows.all(0) : rows.any(0));
+    return;
+  }
+  const bool widen = op == ReduceOp::kSum && (dtype == at::kBFloat16 || dtype == at::kHalf);
+  auto accumulator = widen ? rows[0].to(at::kFloat) : output;
+  if (!widen) accumulator.copy_(rows[0]);
+  for (int64_t row = 1; row < count; ++row) {
+    switch (op) {
+      case ReduceOp::kSum:
+        accumulator.add_(rows[row]);
+        break;
+      case ReduceOp::kMax:
+        at::maximum_out(accumulator, accumulator, rows[row]);
+        break;
+      case ReduceOp::kMin:
+        at::minimum_out(accumulator, accumulator, rows[row]);
+        break;
+    }
+  }
+  if (widen) output.copy_(accumulator);
+}
+
+bool gloo_reduces_natively(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat:
+    case at::kDouble:
+    case at::kHalf:
+    case at::kBFloat16:
+    case at::kBool:
+    case at::kChar:
+    case at::kByte:
+    case at::kInt:
+    case at::kLong:
+      return true;
+    default:
+      return false;
+  }
+}
+
+}  // namespace
+
+const char* to_string(ReduceOp op) {
+  switch (op) {
+    case ReduceOp::kSum:
+      return "sum";
+    case ReduceOp::kMax:
+      return "max";
+    case ReduceOp::kMin:
+      return "min";
+  }
+  return "unknown";
+}
+
+CollectiveWork::CollectiveWork(std::shared_ptr<detail::CollectiveWorkState> state) : state_(std::move(state)) {}
+
+bool CollectiveWork::completed() const { return state_ == nullptr || state_->done; }
+
+bool CollectiveWork::query() const {
+  if (state_ == nullptr) return true;
+  // A successful wait() clears the works; a failed one keeps them, and they are asked again.
+  if (state_->check && !state_->check->verified) {
+    for (const auto& work : state_->check->receives) {
+      if (!work->isCompleted()) return false;
+    }
+    for (const auto& work : state_->check->sends) {
+      if (!work->isCompleted()) return false;
+    }
+  }
+  if (state_->deferred.valid()) {
+    if (state_->deferred.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return false;
+    try {
+      if (!state_->deferred.get()->isCompleted()) return false;
+    } catch (const std::exception&) {
+      return true;  // never issued: nothing uses the buffers
+    }
+  }
+  for (const auto& work : state_->works) {
+    if (!work->isCompleted()) return false;
+  }
+  return true;
+}
+
+void CollectiveWork::wait() {
+  if (state_ == nullptr || state_->done) return;
+  state_->done = true;  // a failed collective is not retried by a second wait()
+  // On failure the works stay referenced by state_ (or abandoned), so buffers in flight stay alive.
+  if (state_->check) {
+    try {
+      detail::verify_check(*state_->check, state_->timeout);
+    } catch (const std::exception&) {
+      // Data of a diverged collective travels on a slot no peer receives from: it may never finish.
+      detail::abandon(state_->works);
+      throw;
+    }
+  }
+  if (state_->deferred.valid()) state_->works.push_back(state_->deferred.get());
+  detail::wait_works(state_->works, state_->peers, state_->others, state_->description, state_->timeout);
+  if (state_->finish) state_->finish();
+  state_->works.clear();
+  state_->finish = nullptr;
+}
+
+CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
+  auto& group = group_handle.state();
+  check_buffer(group, "all_gather", "output", output);
+  check_buffer(group, "all_gather", "input", input);
+  check_same_device(group, "all_gather", output, input);
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
+              "] all_gather: output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type(), ".");
+  TORCH_CHECK(output.numel() == input.numel() * group.size, "[rank ", group.global_rank, "] all_gather on group '",
+              group.name, "': output has ", output.numel(), " elements but expected ", group.size, " ranks x ",
+              input.numel(), " = ", input.numel() * group.size, "; pad shards to equal size.");
+  group.record("all_gather", input.numel() * input.element_size());
+  if (group.size == 1) {
+    if (!output.is_same(input)) output.reshape({-1}).copy_(input.reshape({-1}));
+    return completed_work();
+  }
+  auto description = describe(group, "all_gather", output);
+  const auto issued = detail::issue_collective(group, CollectiveKind::kAllGather, input, 0, description);
+  if (input.numel() == 0) return pending_work(group, issued, std::move(description));
+  auto input_bytes = as_bytes(input);
+  auto output_bytes = as_bytes(output);
+  const int64_t shard_bytes = input_bytes.numel();
+  Pending pending;
+  if (on_gpu(input)) {
+    pending.works.push_back(detail::nccl_all_gather(group, output_bytes, input_bytes));
+  } else {
+    auto own_chunk = output_bytes.narrow(0, group.rank * shard_bytes, shard_bytes);
+    if (own_chunk.data_ptr() != input_bytes.data_ptr()) own_chunk.copy_(input_bytes);
+    pending.works = detail::exchange_with_peers(
+        group, issued.data_tag, [&](int64_t) { return input_bytes; },
+        [&](int64_t peer) { return output_bytes.narrow(0, peer * shard_bytes, shard_bytes); });
+    pending.peers = detail::exchange_peers(group);
+  }
+  group.bytes_all_gather += (group.size - 1) * shard_bytes;
+  return pending_work(group, issued, std::move(description), std::move(pending));
+}
+
+void all_gather(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input) {
+  all_gather_async(group, output, input).wait();
+}
+
+CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input,
+                                    const ReduceScatterOptions& options) {
+  auto& group = group_handle.state();
+  check_buffer(group, "reduce_scatter", "output", output);
+  check_buffer(group, "reduce_scatter", "input", input);
+  check_same_device(group, "reduce_scatter", output, input);
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
+              "] reduce_scatter: output dtype ", output.scalar_type(), " differs from input dtype ",
+              input.scalar_type(), ".");
+  TORCH_CHECK(input.numel() == output.numel() * group.size, "[rank ", group.global_rank, "] reduce_scatter on group '",
+              group.name, "': input has ", input.numel(), " elements but expected ", group.size, " ranks x ",
+              output.numel(), " = ", output.numel() * group.size, "; pad the input to a multiple of the group size.");
+  check_divide_factor(group, "pre_divide_factor", options.pre_divide_factor, input);
+  check_divide_factor(group, "post_divide_factor", options.post_divide_factor, input);
+  group.record("reduce_scatter", input.numel() * input.element_size());
+  const int64_t shard_numel = output.numel();
+  auto description = describe(group, "reduce_scatter", input);
+  IssuedCollective issued;
+  if (group.size > 1) {
+    issued = detail::issue_collective(group, CollectiveKind::kReduceScatter, input, static_cast<int64_t>(options.op),
+                                      description);
+  }
+  if (shard_numel == 0) return group.size > 1 ? pending_work(group, issued, std::move(description)) : completed_work();
+
+  auto send = options.pre_divide_factor == 1.0 ? input.reshape({-1}) : input.reshape({-1}) / options.pre_divide_factor;
+  auto finish_rows = [output, options](const at::Tensor& rows) {
+    auto destination = output.reshape({-1});
+    reduce_rows_into(destination, rows, options.op);
+    if (options.post_divide_factor != 1.0) destination.div_(options.post_divide_factor);
+  };
+  if (group.size == 1) {
+    finish_rows(send.view({1, shard_numel}));
+    return completed_work();
+  }
+  Pending pending;
+  if (on_gpu(input)) {
+    // NCCL reduces in the buffer's dtype (bf16 sums in bf16, as PyTorch's FSDP2 does on GPUs); the
+    // post-divide runs on the stream that waits for the result.
+    TORCH_CHECK(input.scalar_type() != at::kBool, "[rank ", group.global_rank,
+                "] reduce_scatter of bool on a GPU: NCCL has no bool; reduce a uint8 copy instead.");
+    c10d::ReduceScatterOptions reduce_options;
+    reduce_options.reduceOp = detail::to_c10d(options.op);
+    at::Tensor output_handle = output.reshape({-1});
+    at::Tensor input_handle = send.contiguous();
+    pending.works.push_back(detail::nccl_reduce_scatter(group, output_handle, input_handle, reduce_options));
+    group.bytes_reduce_scatter += (group.size - 1) * shard_numel * input.element_size();
+    const double post_divide = options.post_divide_factor;
+    pending.finish = [output_handle, input_handle, post_divide] {
+      if (post_divide != 1.0) output_handle.div_(post_divide);
+    };
+    return pending_work(group, issued, std::move(description), std::move(pending));
+  }
+
+  // Row r of `received` is rank r's chunk for this rank: (N-1)/N of the buffer crosses the wire.
+  // From the pool of unit-sized blocks: a fresh buffer costs a page fault per 4 KiB (31 ms for 64 MB
+  // here, more than the transfer), and the same sizes recur every step.
+  const int64_t chunk_bytes = shard_numel * input.element_size();
+  auto received_bytes = detail::pooled_bytes(group.size * chunk_bytes, input.device());
+  auto received = received_bytes.view(input.scalar_type()).view({group.size, shard_numel});
+  auto send_bytes = as_bytes(send);
+  received_bytes.narrow(0, group.rank * chunk_bytes, chunk_bytes)
+      .copy_(send_bytes.narrow(0, group.rank * chunk_bytes, chunk_bytes));
+  pending.works = detail::exchange_with_peers(
+      group, issued.data_tag, [&](int64_t peer) { return send_bytes.narrow(0, peer * chunk_bytes, chunk_bytes); },
+      [&](int64_t peer) { return received_bytes.narrow(0, peer * chunk_bytes, chunk_bytes); });
+  pending.peers = detail::exchange_peers(group);
+  pending.finish = [send, received, finish_rows] {
+    finish_rows(received);
+    detail::return_pooled_bytes(received);
+  };
+  group.bytes_reduce_scatter += (group.size - 1) * chunk_bytes;
+  return pending_work(group, issued, std::move(description), std::move(pending));
+}
+
+void reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input,
+                    const ReduceScatterOptions& options) {
+  reduce_scatter_async(group, output, input, options).wait();
+}
+
+CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tensor& tensor, ReduceOp op) {
+  auto& group = group_handle.state();
+  check_buffer(group, "all_reduce", "input", tensor);
+  group.record("all_reduce", tensor.numel() * tensor.element_size());
+  if (group.size == 1) return completed_work();
+  auto description = describe(group, "all_reduce", tensor);
+  const auto issued =
+      detail::issue_collective(group, CollectiveKind::kAllReduce, tensor, static_cast<int64_t>(op), description);
+  if (tensor.numel() == 0) return pending_work(group, issued, std::move(description));
+  const int64_t bytes = tensor.numel() * tensor.element_size();
+  Pending pending;
+  if (on_gpu(tensor)) {
+    // NCCL has no bool: a uint8 copy, with max for "any" (sum, max) and min for "all".
+    const bool as_uint8 = tensor.scalar_type() == at::kBool;
+    std::vector<at::Tensor> tensors{as_uint8 ? tensor.to(at::kByte) : tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp =
+        as_uint8 && op == ReduceOp::kSum ? c10d::ReduceOp(c10d::ReduceOp::MAX) : detail::to_c10d(op);
+    pending.works.push_back(detail::nccl_all_reduce(group, tensors, options));
+    group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
+    if (as_uint8) pending.finish = [tensor, copy = tensors.front()] { tensor.copy_(copy); };
+    return pending_work(group, issued, std::move(description), std::move(pending));
+  }
+  if (gloo_reduces_natively(tensor.scalar_type())) {
+    std::vector<at::Tensor> tensors{tensor};
+    c10d::AllreduceOptions options;
+    options.reduceOp = detail::to_c10d(op);
+    if (issued.check) {
+      // Note [Collective check]: Gloo's ring may start only once every header matched (a longer
+      // buffer on one rank aborts inside Gloo), and this call returns at once: the group's queue
+      // issues it, in issue order, when the headers have arrived.
+      auto promise = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
+      pending.deferred = promise->get_future().share();
+      group.backend->issue_queue.push(
+          [check = issued.check, promise, tensors, options, timeout = group.timeout, gloo_group = group.backend->group]() mutable {
+            try {
+              detail::verify_check(*check, timeout);
+              promise->set_value(gloo_group->allreduce(tensors, options));
+            } catch (...) {
+              promise->set_exception(std::current_exception());
+            }
+          });
+    } else {
+      pending.works.push_back(detail::gloo(group).allreduce(tensors, options));
+    }
+    // Gloo's ring all-reduce: a reduce-scatter then an all-gather, each (N-1)/N of the buffer.
+    group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
+    return pending_work(group, issued, std::move(description), std::move(pending));
+  }
+  // int16 and the rest: reduce-scatter then all-gather through our byte path, after this
+  // all-reduce's own check. Done synchronously so that the two collectives cannot interleave with
+  // collectives the caller issues meanwhile.
+  pending_work(group, issued, description).wait();
+  const int64_t shard_numel = (tensor.numel() + group.size - 1) / group.size;
+  auto padded = at::zeros({shard_numel * group.size}, tensor.options());
+  padded.narrow(0, 0, tensor.numel()).copy_(tensor.reshape({-1}));
+  auto shard = at::empty({shard_numel}, tensor.options());
+  ReduceScatterOptions options;
+  options.op = op;
+  reduce_scatter(group_handle, shard, padded, options);
+  all_gather(group_handle, padded, shard);
+  // Charge the traffic to all_reduce, where the caller asked for it.
+  const int64_t moved = (group.size - 1) * shard_numel * tensor.element_size();
+  group.bytes_reduce_scatter -= moved;
+  group.bytes_all_gather -= moved;
+  group.bytes_all_reduce += 2 * moved;
+  tensor.reshape({-1}).copy_(padded.narrow(0, 0, tensor.numel()));
+  return completed_work();
+}
+
+void all_reduce(const ProcessGroup& group, const at::Tensor& tensor, ReduceOp op) {
+  all_reduce_async(group, tensor, op).wait();
+}
+
+CollectiveWork broadcast_async(const ProcessGroup& group_handle, const at::Tensor& tensor, int64_t root) {
+  auto& group = group_handle.state();
+  check_buffer(group, "broadcast", "input", tensor);
+  TORCH_CHECK(root >= 0 && root < group.size, "[rank ", group.global_rank, "] broadcast on group '", group.name,
+              "': root ", root, " is outside [0, ", group.size, ").");
+  group.record("broadcast", tensor.numel() * tensor.element_size());
+  if (group.size == 1) return completed_work();
+  auto description = describe(group, "broadcast", tensor);
+  const auto issued = detail::issue_collective(group, CollectiveKind::kBroadcast, tensor, root, description);
+  if (tensor.numel() == 0) return pending_work(group, issued, std::move(description));
+  Pending pending;
+  if (on_gpu(tensor)) {
+    std::vector<at::Tensor> tensors{as_bytes(tensor)};
+    c10d::BroadcastOptions options;
+    options.rootRank = root;
+    pending.works.push_back(detail::nccl_broadcast(group, tensors, options));
+  } else if (group.rank == root) {
+    // The root sends the buffer to every member, point to point, on the collective's data slot:
+    // the bytes of Gloo's one-to-all broadcast, with the check's slot keying (Note [Collective check]).
+    auto bytes = as_bytes(tensor);
+    for (int64_t offset = 1; offset < group.size; ++offset) {
+      const auto target = (group.rank + offset) % group.size;
+      pending.works.push_back(detail::post_send(group, bytes, target, issued.data_tag));
+      pending.peers.push_back(group.global_ranks[static_cast<size_t>(target)]);
+    }
+  } else {
+    pending.works.push_back(detail::post_receive(group, as_bytes(tensor), root, issued.data_tag));
+    pending.peers.push_back(group.global_ranks[static_cast<size_t>(root)]);
+  }
+  if (group.rank == root) group.bytes_broadcast += (group.size - 1) * tensor.numel() * tensor.element_size();
+  return pending_work(group, issued, std::move(description), std::move(pending));
+}
+
+void broadcast(const ProcessGroup& group, const at::Tensor& tensor, int64_t root) {
+  broadcast_async(group, tensor, root).wait();
+}
+
+void barrier(const ProcessGroup& group_handle) {
+  auto& group = group_handle.state();
+  group.record("barrier", 0);
+  if (group.size == 1) return;
+  // The exchange of headers is itself the barrier: every member hears from every other, check on or off.
+  const auto description = "[rank " + std::to_string(group.global_rank) + "] barrier on group '" + group.name + "'";
+  const auto issued = detail::issue_collective(group, CollectiveKind::kBarrier, at::Tensor(), 0, description, true);
+  pending_work(group, issued, description).wait();
+}
+
+}  // namespace fsdp
