@@ -106,6 +106,15 @@ TEST_P(Collectives, InterleavedAsyncCollectivesKeepTheirOwnData) {
   });
 }
 
+// Polls for `path`, which another rank writes, for up to 5 s.
+bool appears_within_five_seconds(const std::string& path) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  while (!std::filesystem::exists(path) && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return std::filesystem::exists(path);
+}
+
 // query() is the event-like half of CollectiveWork (Note [a block returns after its last use]): it
 // says "done" after wait(). An async collective returns without waiting for any peer (Note
 // [Collective check]): the peers here issue theirs only once rank 0's issue has returned, so an issue
@@ -134,11 +143,7 @@ TEST_P(Collectives, AnAsyncCollectiveReturnsBeforeAnyPeerIssuedItAndQueryIsTrueA
           EXPECT_TRUE(work.query());
           EXPECT_TRUE(work.completed());
         } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-          while (!std::filesystem::exists(mark) && std::chrono::steady_clock::now() < deadline) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-          }
-          ASSERT_TRUE(std::filesystem::exists(mark)) << "rank 0's all_gather_async did not return before its peers issued";
+          ASSERT_TRUE(appears_within_five_seconds(mark)) << "rank 0's all_gather_async did not return before its peers issued";
           all_gather(world, gathered, shard);
         }
         for (int64_t peer = 0; peer < size; ++peer) EXPECT_EQ(gathered[peer * 4 + 3].item<float>(), peer);
@@ -168,11 +173,7 @@ TEST_P(Collectives, AsyncAllReduceAndBroadcastReturnBeforeAnyPeerIssuedThem) {
           reduction.wait();
           spread.wait();
         } else {
-          const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(5);
-          while (!std::filesystem::exists(mark) && std::chrono::steady_clock::now() < deadline) {
-            std::this_thread::sleep_for(std::chrono::milliseconds(5));
-          }
-          ASSERT_TRUE(std::filesystem::exists(mark)) << "rank 0's async all_reduce or broadcast waited for its peers";
+          ASSERT_TRUE(appears_within_five_seconds(mark)) << "rank 0's async all_reduce or broadcast waited for its peers";
           all_reduce(world, summed);
           broadcast(world, sent, 0);
         }

@@ -119,8 +119,7 @@ IssuedCollective issue_collective(ProcessGroupState& group, CollectiveKind kind,
   const auto receive_count = static_cast<size_t>(group.size - 1);
   check->receives.assign(works.begin(), works.begin() + static_cast<std::ptrdiff_t>(receive_count));
   check->sends.assign(works.begin() + static_cast<std::ptrdiff_t>(receive_count), works.end());
-  auto peers = exchange_peers(group);
-  check->peers.assign(peers.begin(), peers.begin() + static_cast<std::ptrdiff_t>(receive_count));
+  check->peers = exchange_peers(group);
   check->rank = group.rank;
   check->global_ranks = group.global_ranks;
   check->group_name = group.name;
@@ -134,13 +133,8 @@ void verify_check(CollectiveCheck& check, std::chrono::milliseconds timeout) {
   if (check.verified) return;
   std::vector<c10::intrusive_ptr<c10d::Work>> works = check.receives;
   works.insert(works.end(), check.sends.begin(), check.sends.end());
-  std::vector<int64_t> peers = check.peers;
-  for (size_t index = 0; index < check.sends.size(); ++index) {
-    const auto size = static_cast<int64_t>(check.global_ranks.size());
-    peers.push_back(check.global_ranks[static_cast<size_t>((check.rank + 1 + static_cast<int64_t>(index)) % size)]);
-  }
   try {
-    wait_works(works, peers, {}, check.description + ", exchanging what each rank issues", timeout);
+    wait_works(works, check.peers, {}, check.description + ", exchanging what each rank issues", timeout);
   } catch (const c10::Error& error) {
     // A header may still arrive into `headers` after this: the works and their buffers stay alive.
     abandon(works);

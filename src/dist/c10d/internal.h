@@ -57,7 +57,7 @@ struct CollectiveCheck {
   at::Tensor headers;  // [N, kHeaderBytes]: row r is group rank r's header; our own row is sent
   std::vector<c10::intrusive_ptr<c10d::Work>> receives;  // one per peer, exchange_peers order
   std::vector<c10::intrusive_ptr<c10d::Work>> sends;
-  std::vector<int64_t> peers;  // global ranks of `receives`
+  std::vector<int64_t> peers;  // global ranks of `receives` then `sends` (exchange_peers order)
   // Of the group, copied: a check verified on the IssueQueue's thread needs no group.
   int64_t rank = 0;
   std::vector<int64_t> global_ranks;
