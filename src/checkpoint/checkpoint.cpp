@@ -286,7 +286,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   on_every_rank(context, [&] { fs::create_directories(directory); });
   std::string model_file;
   // Note [save identity]: rank 0 chooses the id, and every rank's files record it.
-  const std::string save_id = detail::all_gather_strings(context, main ? detail::new_save_id() : std::string())[0];
+  const std::string save_id = detail::broadcast_string(context, main ? detail::new_save_id() : std::string(), 0);
   nlohmann::json entries = nlohmann::json::object();
 
   switch (options.state_dict_type) {

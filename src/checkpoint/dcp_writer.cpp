@@ -148,7 +148,7 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
                          const std::string& save_id_on_rank0) {
   const int64_t rank = context.rank();
   // Every rank's file records rank 0's id (Note [save identity]).
-  const auto save_id = all_gather_strings(context, rank == 0 ? save_id_on_rank0 : std::string())[0];
+  const auto save_id = broadcast_string(context, rank == 0 ? save_id_on_rank0 : std::string(), 0);
   TORCH_INTERNAL_ASSERT(!save_id.empty(), "writing DCP checkpoint '", directory, "': rank 0 gave no save id");
   const auto metadata_path = (fs::path(directory) / ".metadata").string();
   // An earlier checkpoint here stops being one before any of its files is replaced.

@@ -1,10 +1,13 @@
 #include "dist/agreement.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
 #include <map>
+
+#include <fsdp/collectives.h>
 
 #include "dist/control_channel.h"
 
@@ -13,6 +16,7 @@ namespace fsdp::detail {
 void agree_on_operation(const DistributedContext& context, const std::string& operation) {
   std::vector<std::string> operations;
   try {
+    if (same_on_every_rank(context, operation)) return;
     operations = all_gather_strings(context, operation);
   } catch (const c10::Error& error) {
     TORCH_CHECK(false, operation, ": not every rank joined (", error.what_without_backtrace(),
@@ -26,6 +30,10 @@ void agree_on_operation(const DistributedContext& context, const std::string& op
 }
 
 void raise_if_any_rank_failed(const DistributedContext& context, const std::string& local_error) {
+  // The usual case, no rank failed, is one all-reduce of one number: the longest error.
+  auto longest = at::full({1}, static_cast<int64_t>(local_error.size()), at::kLong);
+  all_reduce(context.control(), longest, ReduceOp::kMax);
+  if (longest.item<int64_t>() == 0) return;
   const auto errors = all_gather_strings(context, local_error);
   for (size_t rank = 0; rank < errors.size(); ++rank) {
     if (errors[rank].empty()) continue;
@@ -38,7 +46,10 @@ void agree_on_fields(const DistributedContext& context, const std::string& what,
                      const std::vector<std::pair<std::string, std::string>>& fields, const std::string& fix) {
   auto mine = nlohmann::json::array();
   for (const auto& [name, value] : fields) mine.push_back({name, value});
-  const auto all = all_gather_strings(context, mine.dump());
+  // Note [Agreement by digest]: the details travel only when the digests differ.
+  const auto text = mine.dump();
+  if (same_on_every_rank(context, text)) return;
+  const auto all = all_gather_strings(context, text);
   if (std::all_of(all.begin(), all.end(), [&](const std::string& text) { return text == all[0]; })) return;
   // name -> value -> ranks, in the order the names first appear.
   std::vector<std::string> order;

@@ -1,6 +1,16 @@
 // Private: collectives that keep ranks from waiting on each other forever, or aborting inside Gloo,
 // when they disagree. They run on the control channel (Note [the control channel],
 // src/dist/control_channel.h).
+//
+// [Note: Agreement by digest]
+// What every rank must agree on (a unit's parameter names, shapes and dtypes, the options, the
+// checkpoint operation) first travels as a fixed-size digest: one all-reduce of 48 bytes
+// (same_on_every_rank), whatever the model's size or the number of ranks. Only when the digests
+// differ do the ranks gather each other's full text, to name each field that differs and every
+// rank's value; that costs O(N x text) once, on a run that is about to fail anyway. Before, every
+// fully_shard gathered every rank's full list: O(N x parameters) bytes on every rank before the
+// first step. A failure report (raise_if_any_rank_failed) is the same: the longest error's length
+// first, the errors only when one is not empty.
 #pragma once
 
 #include <exception>

@@ -29,6 +29,27 @@ std::vector<std::string> all_gather_strings(const DistributedContext& context, c
   return result;
 }
 
+namespace {
+
+// FNV-1a from `basis`, folded to 62 bits so that its negation fits an int64 too.
+int64_t hash62(const std::string& text, uint64_t basis) {
+  uint64_t hash = basis;
+  for (const char byte : text) hash = (hash ^ static_cast<uint8_t>(byte)) * 1099511628211ULL;
+  return static_cast<int64_t>((hash ^ (hash >> 31)) & ((uint64_t{1} << 62) - 1));
+}
+
+}  // namespace
+
+bool same_on_every_rank(const DistributedContext& context, const std::string& text) {
+  const int64_t first = hash62(text, 1469598103934665603ULL);
+  const int64_t second = hash62(text, 0x9e3779b97f4a7c15ULL);
+  const auto length = static_cast<int64_t>(text.size());
+  auto digest = at::tensor(std::vector<int64_t>{first, -first, second, -second, length, -length}, at::kLong);
+  all_reduce(context.control(), digest, ReduceOp::kMax);
+  const auto value = digest.accessor<int64_t, 1>();
+  return value[0] == -value[1] && value[2] == -value[3] && value[4] == -value[5];
+}
+
 std::string broadcast_string(const DistributedContext& context, const std::string& text, int64_t root) {
   const auto& group = context.control();
   const bool is_root = group.rank() == root;

@@ -21,6 +21,12 @@ namespace fsdp::detail {
 /// on the control channel.
 std::vector<std::string> all_gather_strings(const DistributedContext& context, const std::string& text);
 
+/// Whether every rank holds the same `text`: one all-reduce of a fixed-size digest (two 62-bit
+/// hashes and the length, each with its negation, reduced by max: equal on every rank exactly when
+/// max == min), so its bytes grow with neither the text nor the number of ranks. Two different texts
+/// pass for equal only if both hashes and the length collide. Collective on the control channel.
+bool same_on_every_rank(const DistributedContext& context, const std::string& text);
+
 /// `root`'s string on every rank (its length, then its bytes when there are any: one broadcast for
 /// an empty string). `text` matters on `root` only. Collective on the control channel.
 std::string broadcast_string(const DistributedContext& context, const std::string& text, int64_t root = 0);

@@ -38,6 +38,30 @@ TEST(Agreement, FieldsThatDifferAreNamedWithEachRanksValue) {
   });
 }
 
+// Note [Agreement by digest]: ranks that agree send the same bytes whether they agree on two fields
+// or on ten thousand, and whether the text is short or long (gathering every rank's text, as before,
+// would send each rank's whole list to every peer). Only a disagreement sends the details.
+TEST(Agreement, RanksThatAgreeSendAFixedNumberOfBytesWhateverTheyAgreeOn) {
+  testing::run_on_ranks(3, [](const DistributedContext& context) {
+    const auto& control = context.control();
+    auto bytes_to_agree_on = [&](int64_t count, const std::string& value) {
+      std::vector<std::pair<std::string, std::string>> fields;
+      for (int64_t index = 0; index < count; ++index) fields.emplace_back("parameter " + std::to_string(index), value);
+      control.reset_bytes_sent();
+      require_same_on_every_rank(context, "the model", fields, "unused");
+      return control.bytes_sent().total();
+    };
+    const auto few = bytes_to_agree_on(2, "[4] Float");
+    EXPECT_GT(few, 0);
+    EXPECT_EQ(bytes_to_agree_on(10000, "[4096, 4096] Float"), few);
+    control.reset_bytes_sent();
+    testing::error_message_of([&] {
+      require_same_on_every_rank(context, "the model", {{"a", context.rank() == 1 ? "x" : "y"}}, "unused");
+    });
+    EXPECT_GT(control.bytes_sent().total(), few) << "a disagreement gathers the details after the digest";
+  });
+}
+
 TEST(Agreement, PrepareWithAnotherEnvironmentOnOneRankIsANamedError) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
     torch::manual_seed(1);

@@ -287,6 +287,8 @@ TEST(CollectiveFrames, WithTheCheckOffNoHeaderIsSentAndDivergedRanksTimeOutInste
           detail::ActivityScope unit(rank == 1 ? "FSDP unit model.layers.1" : "FSDP unit model.layers.0");
           all_gather(world, out, at::full({2}, 5.0f + rank));
         });
+        // Alive a while after its own timeout, so that the peer times out too rather than see it leave.
+        std::this_thread::sleep_for(std::chrono::seconds(1));
         EXPECT_NE(message.find("all_gather on group 'world'"), std::string::npos) << message;
         EXPECT_NE(message.find("imed out"), std::string::npos) << message;
         // Only this rank's own chunk was written: the peer's chunk for another unit never arrived.

@@ -98,6 +98,11 @@ bool timed_out(const std::exception_ptr& failure) {
 
 }  // namespace
 
+std::string with_activity(std::string description) {
+  if (!current_activity().empty()) description += " (for " + current_activity() + ")";
+  return description;
+}
+
 IssuedCollective issue_collective(ProcessGroupState& group, CollectiveKind kind, const at::Tensor& tensor,
                                   int64_t detail, const std::string& description, bool force_check) {
   Header own{static_cast<int64_t>(kind), tensor.defined() ? tensor.numel() : 0,
@@ -123,7 +128,7 @@ IssuedCollective issue_collective(ProcessGroupState& group, CollectiveKind kind,
   check->rank = group.rank;
   check->global_ranks = group.global_ranks;
   check->group_name = group.name;
-  check->description = description;
+  check->description = with_activity(description);
   group.bytes_check += (group.size - 1) * kHeaderBytes;
   issued.check = std::move(check);
   return issued;

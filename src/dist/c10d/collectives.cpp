@@ -2,7 +2,6 @@
 // what each is built from, Note [Collective check] how ranks that issued different ones are named,
 // and Note [The GPU path] how CUDA tensors take NCCL instead (dist/c10d/nccl.cpp).
 #include "dist/c10d/internal.h"
-#include "dist/activity.h"
 
 #include <fsdp/collectives.h>
 
@@ -122,9 +121,7 @@ CollectiveWork pending_work(const ProcessGroupState& group, const IssuedCollecti
   if (!pending.deferred.valid()) state->check = issued.check;
   state->deferred = std::move(pending.deferred);
   state->finish = std::move(pending.finish);
-  state->description = std::move(description);
-  // Recorded when issued: the wait may come later, inside another unit's work.
-  if (!detail::current_activity().empty()) state->description += " (for " + detail::current_activity() + ")";
+  state->description = detail::with_activity(std::move(description));
   state->timeout = group.timeout;
   return CollectiveWork(state);
 }

@@ -116,6 +116,10 @@ struct IssuedCollective {
   std::shared_ptr<CollectiveCheck> check;
 };
 
+/// `description` with what the collective is for (src/dist/activity.h) when there is an activity:
+/// recorded when issued, since the wait may come later, inside another unit's work.
+std::string with_activity(std::string description);
+
 /// Note [Collective check]: draws the collective's slot, posts its header to every peer and a
 /// receive of theirs (with the check on; `force_check` posts them regardless, for barrier), and
 /// returns the data tag, which also carries a digest of the header.
