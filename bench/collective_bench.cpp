@@ -4,6 +4,13 @@
 // Run under `fsdp launch`; rank 0 prints one JSON line per measurement.
 //
 //   fsdp launch --nproc-per-node 2 -- build/bin/collective_bench [--megabytes 64] [--directory /tmp/x]
+//
+// `--sweep` instead measures each collective at 64 KB to 64 MB (the full buffer; a quarter of the
+// sizes between), ours against Gloo's own algorithm (a ring for all-gather): one JSON line per
+// collective and size, for choosing an algorithm per (N, size). For all-reduce, "direct" is the
+// reduce-scatter then all-gather of the same buffer, "gloo" Gloo's ring all-reduce, and "engine"
+// what fsdp::all_reduce runs (Note [Algorithms by measurement]).
+//   fsdp launch --nproc-per-node 8 -- build/bin/collective_bench --sweep
 #include <fsdp/fsdp.h>
 
 #include "dist/c10d/backend.h"
@@ -33,23 +40,85 @@ double median_seconds(const fsdp::DistributedContext& context, int repeats, cons
   return times[times.size() / 2];
 }
 
+void run_sweep(const fsdp::DistributedContext& context) {
+  const auto& group = context.world();
+  const int64_t world = context.world_size();
+  {
+    // Warm-up: the first collectives of a process pay for connections and first-touch pages.
+    auto full = torch::randn({16384 / world * world});
+    auto shard = torch::randn({16384 / world});
+    for (int index = 0; index < 10; ++index) {
+      fsdp::all_gather(group, full, shard);
+      fsdp::detail::native_all_gather(group, full, shard);
+      fsdp::reduce_scatter(group, shard, full);
+      fsdp::detail::native_reduce_scatter(group, shard, full);
+      fsdp::all_reduce(group, full);
+    }
+  }
+  for (const int64_t bytes : {int64_t{64} << 10, int64_t{256} << 10, int64_t{1} << 20, int64_t{4} << 20, int64_t{16} << 20,
+                              int64_t{64} << 20}) {
+    const int64_t numel = bytes / 4 / world * world;
+    auto full = torch::randn({numel});
+    auto shard = torch::randn({numel / world});
+    // Fewer repeats for the large sizes: each takes long, and their spread is small.
+    const int repeats = bytes >= (int64_t{16} << 20) ? 5 : 15;
+    const double gather = median_seconds(context, repeats, [&] { fsdp::all_gather(group, full, shard); });
+    const double native_gather = median_seconds(context, repeats, [&] { fsdp::detail::native_all_gather(group, full, shard); });
+    const double scatter = median_seconds(context, repeats, [&] { fsdp::reduce_scatter(group, shard, full); });
+    const double native_scatter =
+        median_seconds(context, repeats, [&] { fsdp::detail::native_reduce_scatter(group, shard, full); });
+    const double direct_reduce = median_seconds(context, repeats, [&] {
+      fsdp::reduce_scatter(group, shard, full);
+      fsdp::all_gather(group, full, shard);
+    });
+    const double native_reduce = median_seconds(context, repeats, [&] { fsdp::detail::native_all_reduce(group, full); });
+    const double engine_reduce = median_seconds(context, repeats, [&] { fsdp::all_reduce(group, full); });
+    if (context.rank() != 0) continue;
+    const char* names[] = {"all_gather", "reduce_scatter", "all_reduce"};
+    const double ours[] = {gather, scatter, direct_reduce};
+    const double native[] = {native_gather, native_scatter, native_reduce};
+    for (int op = 0; op < 3; ++op) {
+      // "engine": what fsdp::all_reduce runs (Note [Algorithms by measurement]); for the others, direct.
+      std::printf("{\"benchmark\": \"collective_sweep\", \"collective\": \"%s\", \"world_size\": %lld, \"bytes\": %lld, "
+                  "\"direct_s\": %.6f, \"gloo_s\": %.6f, \"engine_s\": %.6f}\n",
+                  names[op], static_cast<long long>(world), static_cast<long long>(numel * 4), ours[op], native[op],
+                  op == 2 ? engine_reduce : ours[op]);
+    }
+    std::fflush(stdout);
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
   int64_t megabytes = 64;
   std::string directory = "/tmp/fsdp_collective_bench";
-  for (int index = 1; index + 1 < argc; index += 2) {
+  bool sweep = false;
+  for (int index = 1; index < argc; index += 2) {
     const std::string flag = argv[index];
+    if (flag == "--sweep") {
+      sweep = true;
+      --index;
+      continue;
+    }
+    if (index + 1 >= argc) {
+      std::cerr << "collective_bench: " << flag << " needs a value\n";
+      return 2;
+    }
     if (flag == "--megabytes") megabytes = std::stoll(argv[index + 1]);
     else if (flag == "--directory") directory = argv[index + 1];
     else {
-      std::cerr << "usage: collective_bench [--megabytes N] [--directory DIR]\n";
+      std::cerr << "usage: collective_bench [--megabytes N] [--directory DIR] | --sweep\n";
       return 2;
     }
   }
   try {
     auto context = fsdp::DistributedContext::initialize_from_environment();
     const int64_t world = context.world_size();
+    if (sweep) {
+      run_sweep(context);
+      return 0;
+    }
     const int64_t numel = megabytes * 1000000 / 4 / world * world;
     auto full = torch::randn({numel});
     auto shard = torch::randn({numel / world});

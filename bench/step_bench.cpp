@@ -71,6 +71,9 @@ int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Launch-to-first-step is measured from here: rendezvous, the model, fully_shard's agreements
+  // (Note [Agreement by digest]) and the first step.
+  const auto main_started = std::chrono::steady_clock::now();
   std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", host_memory = "default";
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   for (int index = 1; index + 1 < argc; index += 2) {
@@ -191,6 +194,9 @@ int main(int argc, char** argv) {
       }
     };
     std::vector<double> times;
+    // Rendezvous, the model and every fully_shard (with its agreement) are done by here.
+    const auto setup_done = std::chrono::steady_clock::now();
+    auto first_step_done = main_started;
     int64_t bytes_before = 0;
     int64_t loopback_before = -1;
     for (int64_t step = 0; step < steps + 2; ++step) {
@@ -204,6 +210,7 @@ int main(int argc, char** argv) {
       optimizer.zero_grad();
       if (!single) fsdp::barrier(context.world());
       if (step >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
+      if (step == 0) first_step_done = std::chrono::steady_clock::now();
     }
     const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
     const int64_t loopback_after = context.rank() == 0 ? loopback_bytes() : -1;
@@ -234,12 +241,16 @@ int main(int argc, char** argv) {
                   "\"prefetch\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
                   "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"loopback_bytes_per_step\": %lld, \"model_state_bytes_per_rank\": %lld, "
                   "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
-                  "\"peak_rss_mb\": %.1f}\n",
+                  "\"peak_rss_mb\": %.1f, \"check_collectives\": %d, \"setup_s\": %.3f, \"start_to_first_step_s\": %.3f, "
+                  "\"control_bytes\": %lld}\n",
                   model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
                   static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
                   theory, static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
                   static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),
-                  usage.ru_maxrss / 1024.0);
+                  usage.ru_maxrss / 1024.0, context.environment().check_collectives ? 1 : 0,
+                  std::chrono::duration<double>(setup_done - main_started).count(),
+                  std::chrono::duration<double>(first_step_done - main_started).count(),
+                  static_cast<long long>(context.control().bytes_sent().total()));
     }
   } catch (const c10::Error& error) {
     std::cerr << "step_bench: " << error.what_without_backtrace() << "\n";

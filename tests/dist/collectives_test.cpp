@@ -189,6 +189,45 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
                            return name += std::to_string(info.param);
                          });
 
+// Note [Algorithms by measurement]: from 8 ranks an all-reduce is the direct exchange, run by the
+// group's issue queue. The selftest checks it for every dtype and size against closed forms and its
+// bytes against 2(N-1)/N; rank 0's async all-reduce returns before any peer issued it, and the
+// one its peers then issue is reduced in issue order behind a Gloo-reduced one.
+TEST(CollectivesAtEightRanks, TheDirectAllReducePassesTheSelftestAndReturnsBeforeAnyPeerIssuedIt) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::MultiRankOptions options;
+  options.collective_timeout = std::chrono::seconds(20);
+  testing::run_on_ranks(
+      8,
+      [directory](const DistributedContext& context) {
+        const auto& world = context.world();
+        auto report = detail::run_collective_selftest(context);
+        for (const auto& failure : report.failures) ADD_FAILURE() << failure;
+        EXPECT_TRUE(report.passed);
+        auto summed = at::full({5}, static_cast<float>(world.rank() + 1), at::kFloat);
+        auto largest = at::full({3}, static_cast<int16_t>(world.rank()), at::kShort);
+        const auto mark = directory + "/rank0_issued";
+        barrier(context.control());
+        world.reset_bytes_sent();
+        if (world.rank() == 0) {
+          auto reduction = all_reduce_async(world, summed);
+          auto maximum = all_reduce_async(world, largest, ReduceOp::kMax);
+          std::ofstream(mark) << "issued";
+          maximum.wait();
+          reduction.wait();
+        } else {
+          ASSERT_TRUE(appears_within_five_seconds(mark)) << "rank 0's direct all_reduce waited for its peers";
+          all_reduce(world, summed);
+          all_reduce(world, largest, ReduceOp::kMax);
+        }
+        EXPECT_TRUE(summed.equal(at::full({5}, 36.0f, at::kFloat))) << summed;
+        EXPECT_TRUE(largest.equal(at::full({3}, static_cast<int16_t>(7), at::kShort))) << largest;
+        // 5 floats pad to 8 x 1 and 3 int16 to 8 x 1: each rank sends 7 chunks twice per all-reduce.
+        EXPECT_EQ(world.bytes_sent().all_reduce, 2 * 7 * 4 + 2 * 7 * 2);
+      },
+      options);
+}
+
 // Note [Collective check]: ranks whose programs diverged get one error on every rank naming what
 // each issued. A longer all-gather on one rank used to abort the process inside Gloo
 // ("op.preamble.length <= op.nbytes", exit 134), and two units of the same size exchanged each

@@ -78,5 +78,7 @@ std::shared_ptr<ProcessGroupState> create_process_group(const std::shared_ptr<Ba
 /// [Collectives on Gloo], for bench/collective_bench only. Synchronous; not in the byte counters.
 void native_all_gather(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
 void native_reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const at::Tensor& input);
+/// Gloo's own ring all-reduce (sum), whatever Note [Algorithms by measurement] would choose.
+void native_all_reduce(const ProcessGroup& group, const at::Tensor& tensor);
 
 }  // namespace fsdp::detail

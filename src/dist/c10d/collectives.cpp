@@ -8,6 +8,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "dist/collective_algorithm.h"
 #include "memory/buffer_pool.h"
 
 namespace fsdp {
@@ -177,6 +178,94 @@ bool gloo_reduces_natively(at::ScalarType dtype) {
       return true;
     default:
       return false;
+  }
+}
+
+// A work that is already done: what the issue queue hands back for a collective it ran itself.
+class FinishedWork : public c10d::Work {
+ public:
+  FinishedWork() { finish(); }
+};
+
+// Note [Algorithms by measurement]: the direct all-reduce, a reduce-scatter then an all-gather of
+// the same padded buffer, each an exchange with every peer at once on the collective's data slot.
+// Runs on the group's issue queue (the second half needs the first's result, and a rank must not
+// depend on its peers calling wait() to make progress), so it holds copies of what it needs from
+// the group and never the group itself.
+struct DirectAllReduce {
+  c10::intrusive_ptr<c10d::ProcessGroupGloo> gloo;
+  std::shared_ptr<detail::CollectiveCheck> check;  // null with the check off
+  int64_t rank = 0;
+  int64_t size = 1;
+  std::vector<int64_t> peers;  // global ranks, exchange_peers order: receives, then sends
+  int tag = 0;
+  at::Tensor tensor;
+  ReduceOp op = ReduceOp::kSum;
+  std::string description;
+  std::chrono::milliseconds timeout{0};
+};
+
+void run_direct_all_reduce(const DirectAllReduce& plan) {
+  if (plan.check) detail::verify_check(*plan.check, plan.timeout);
+  const int64_t numel = plan.tensor.numel();
+  const int64_t chunk = (numel + plan.size - 1) / plan.size;
+  const int64_t buffer_bytes = plan.size * chunk * plan.tensor.element_size();
+  const auto dtype = plan.tensor.scalar_type();
+  // In place when the buffer divides evenly, else a padded copy; the received rows come from the
+  // pool, as reduce_scatter's do (a fresh buffer costs a page fault per 4 KiB).
+  const bool in_place = chunk * plan.size == numel;
+  at::Tensor padded_bytes;
+  at::Tensor rows;
+  if (in_place) {
+    rows = plan.tensor.view({plan.size, chunk});
+  } else {
+    padded_bytes = detail::pooled_bytes(buffer_bytes, plan.tensor.device());
+    rows = padded_bytes.view(dtype).view({plan.size, chunk});
+    auto flat = rows.view({-1});
+    flat.narrow(0, 0, numel).copy_(plan.tensor.reshape({-1}));
+    flat.narrow(0, numel, plan.size * chunk - numel).zero_();
+  }
+  auto received_bytes = detail::pooled_bytes(buffer_bytes, plan.tensor.device());
+  auto received = received_bytes.view(dtype).view({plan.size, chunk});
+  received[plan.rank].copy_(rows[plan.rank]);
+  // Receives from rank - 1, rank - 2, ... and sends to rank + 1, rank + 2, ...: exchange_peers' order.
+  // On failure the pooled buffers are not returned: abandoned transfers may still write them.
+  auto exchange = [&](const std::function<at::Tensor(int64_t)>& sent, const std::function<at::Tensor(int64_t)>& into) {
+    std::vector<c10::intrusive_ptr<c10d::Work>> works;
+    try {
+      for (int64_t offset = 1; offset < plan.size; ++offset) {
+        const auto source = (plan.rank + plan.size - offset) % plan.size;
+        std::vector<at::Tensor> destination{as_bytes(into(source))};
+        works.push_back(plan.gloo->recv(destination, static_cast<int>(source), plan.tag));
+      }
+      for (int64_t offset = 1; offset < plan.size; ++offset) {
+        const auto target = (plan.rank + offset) % plan.size;
+        std::vector<at::Tensor> payload{as_bytes(sent(target))};
+        works.push_back(plan.gloo->send(payload, static_cast<int>(target), plan.tag));
+      }
+    } catch (const c10::Error&) {
+      detail::abandon(works);
+      throw;
+    } catch (const std::exception& error) {
+      // Gloo refuses to post on a connection that is already closed, with its own exception type.
+      detail::abandon(works);
+      TORCH_CHECK(false, plan.description, " failed: ", error.what(), ". A peer rank probably exited; read its log");
+    }
+    try {
+      detail::wait_works(works, plan.peers, {}, plan.description, plan.timeout);
+    } catch (...) {
+      detail::abandon(works);
+      throw;
+    }
+  };
+  exchange([&](int64_t peer) { return rows[peer]; }, [&](int64_t peer) { return received[peer]; });
+  auto own = rows[plan.rank];
+  reduce_rows_into(own, received, plan.op);
+  detail::return_pooled_bytes(received_bytes);
+  exchange([&](int64_t) { return own; }, [&](int64_t peer) { return rows[peer]; });
+  if (!in_place) {
+    plan.tensor.view({-1}).copy_(rows.view({-1}).narrow(0, 0, numel));
+    detail::return_pooled_bytes(padded_bytes);
   }
 }
 
@@ -385,7 +474,8 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
     if (as_uint8) pending.finish = [tensor, copy = tensors.front()] { tensor.copy_(copy); };
     return pending_work(group, issued, std::move(description), std::move(pending));
   }
-  if (gloo_reduces_natively(tensor.scalar_type())) {
+  const bool gloo_ring = detail::choose_all_reduce(group.size, bytes) == detail::AllReduceAlgorithm::kGlooRing;
+  if (gloo_ring && gloo_reduces_natively(tensor.scalar_type())) {
     std::vector<at::Tensor> tensors{tensor};
     c10d::AllreduceOptions options;
     options.reduceOp = detail::to_c10d(op);
@@ -411,25 +501,33 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
     group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
     return pending_work(group, issued, std::move(description), std::move(pending));
   }
-  // int16 and the rest: reduce-scatter then all-gather through our byte path, after this
-  // all-reduce's own check. Done synchronously so that the two collectives cannot interleave with
-  // collectives the caller issues meanwhile.
-  pending_work(group, issued, description).wait();
-  const int64_t shard_numel = (tensor.numel() + group.size - 1) / group.size;
-  auto padded = at::zeros({shard_numel * group.size}, tensor.options());
-  padded.narrow(0, 0, tensor.numel()).copy_(tensor.reshape({-1}));
-  auto shard = at::empty({shard_numel}, tensor.options());
-  ReduceScatterOptions options;
-  options.op = op;
-  reduce_scatter(group_handle, shard, padded, options);
-  all_gather(group_handle, padded, shard);
-  // Charge the traffic to all_reduce, where the caller asked for it.
-  const int64_t moved = (group.size - 1) * shard_numel * tensor.element_size();
-  group.bytes_reduce_scatter -= moved;
-  group.bytes_all_gather -= moved;
-  group.bytes_all_reduce += 2 * moved;
-  tensor.reshape({-1}).copy_(padded.narrow(0, 0, tensor.numel()));
-  return completed_work();
+  // Note [Algorithms by measurement]: the direct exchange, from 8 ranks, and for the dtypes Gloo
+  // does not reduce (int16 and the rest) at every size. The group's issue queue runs it, in issue
+  // order with the group's other queued collectives, so this call returns at once.
+  DirectAllReduce plan;
+  plan.gloo = group.backend->group;
+  plan.check = issued.check;
+  plan.rank = group.rank;
+  plan.size = group.size;
+  plan.peers = detail::exchange_peers(group);
+  plan.tag = issued.data_tag;
+  plan.tensor = tensor;
+  plan.op = op;
+  plan.description = detail::with_activity(description);
+  plan.timeout = group.timeout;
+  auto promise = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
+  pending.deferred = promise->get_future().share();
+  group.backend->issue_queue.push([plan = std::move(plan), promise] {
+    try {
+      run_direct_all_reduce(plan);
+      promise->set_value(c10::make_intrusive<FinishedWork>());
+    } catch (...) {
+      promise->set_exception(std::current_exception());
+    }
+  });
+  const int64_t chunk_bytes = (tensor.numel() + group.size - 1) / group.size * tensor.element_size();
+  group.bytes_all_reduce += 2 * (group.size - 1) * chunk_bytes;
+  return pending_work(group, issued, std::move(description), std::move(pending));
 }
 
 void all_reduce(const ProcessGroup& group, const at::Tensor& tensor, ReduceOp op) {

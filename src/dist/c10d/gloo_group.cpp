@@ -168,4 +168,12 @@ void native_reduce_scatter(const ProcessGroup& group_handle, const at::Tensor& o
   wait_works({work}, {}, {}, "[rank " + std::to_string(group.global_rank) + "] native reduce_scatter", group.timeout);
 }
 
+void native_all_reduce(const ProcessGroup& group_handle, const at::Tensor& tensor) {
+  auto& group = group_handle.state();
+  if (group.size == 1) return;
+  std::vector<at::Tensor> tensors{tensor};
+  auto work = gloo(group).allreduce(tensors, c10d::AllreduceOptions());
+  wait_works({work}, {}, {}, "[rank " + std::to_string(group.global_rank) + "] native all_reduce", group.timeout);
+}
+
 }  // namespace fsdp::detail

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The scale run: FULL_SHARD with the collective check on and off (Note [Collective check]), PyTorch's
+# DDP and FSDP2 on the same model, global batch and one thread per rank, at N = 2, 4, 8, 16 ranks on
+# this machine. Oversubscribed past its cores: compare peers within an N, not across. Peers alternate
+# within a round so that machine noise hits them alike; medians over rounds. Also the time from main()
+# to the end of the first step (rendezvous, model, fully_shard's agreements, one step) and the bytes
+# rank 0 sent on the control channel by then (Note [Agreement by digest]). First, once per N,
+# `collective_bench --sweep`: each collective at 64 KB to 64 MB, the direct exchange against Gloo's
+# own algorithm (Note [Algorithms by measurement]). Rewrites the tables in bench/README.md between
+# the <!-- scale --> markers.
+#   bench/scale.sh                 N = 2 4 8 16, BENCH_ROUNDS rounds (default 3)
+#   BENCH_WORLD_SIZES="2 4" bench/scale.sh
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+bin="${FSDP_BUILD_DIR:-$root/build}/bin"
+python="${FSDP_VENV:-$root/.venv}/bin/python"
+[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
+read -r -a world_sizes <<< "${BENCH_WORLD_SIZES:-2 4 8 16}"
+rounds="${BENCH_ROUNDS:-3}"
+sizes=(--width 512 --hidden 2048 --blocks 8 --batch 64 --steps 6)
+results="$(mktemp -d)/scale.jsonl"
+launch() {
+  "$bin/fsdp" launch --nproc-per-node "$1" --master-port 0 -- "${@:2}" >> "$results" ||
+    { echo "bench: failed: fsdp launch --nproc-per-node $1 -- ${*:2}" >&2; return 1; }
+}
+# The collectives sweep (Note [Algorithms by measurement]), once per N, with the check off: it
+# compares algorithms, and the check costs every one of them the same per collective.
+for n in "${world_sizes[@]}"; do
+  FSDP_CHECK_COLLECTIVES=0 launch "$n" "$bin/collective_bench" --sweep
+done
+for round in $(seq "$rounds"); do
+  for n in "${world_sizes[@]}"; do
+    for check in 1 0; do
+      FSDP_CHECK_COLLECTIVES=$check launch "$n" "$bin/step_bench" --strategy FULL_SHARD "${sizes[@]}"
+    done
+    for peer in ddp fsdp2; do
+      launch "$n" "$python" "$root/bench/torch_peer.py" --peer "$peer" "${sizes[@]}"
+    done
+  done
+  echo "bench: scale round $round of $rounds done" >&2
+done
+"$python" "$root/bench/scale_report.py" "$results" "$root/bench/README.md" "bench/scale.sh (N = ${world_sizes[*]}, $rounds rounds)"

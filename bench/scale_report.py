@@ -1,0 +1,91 @@
+"""Turns bench/scale.sh's JSON lines into the scale table of bench/README.md (medians over rounds,
+between the <!-- scale --> markers) and the plot bench/scale.svg (step time against N per peer)."""
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+from report import line_chart
+
+PEERS = (("FULL_SHARD", 1, "FULL_SHARD"), ("FULL_SHARD", 0, "FULL_SHARD, check off"), ("DDP", None, "DDP"),
+         ("FSDP2", None, "FSDP2"))
+
+
+def main():
+    results_path, readme_path, command = sys.argv[1], sys.argv[2], sys.argv[3]
+    rows = [json.loads(line) for line in open(results_path) if line.strip().startswith("{")]
+    runs = {}
+    for row in rows:
+        if row.get("benchmark") != "step":
+            continue
+        check = row.get("check_collectives") if row["strategy"] not in ("DDP", "FSDP2") else None
+        runs.setdefault((row["strategy"], check, row["world_size"]), []).append(row)
+
+    def median(key, field):
+        values = [row[field] for row in runs.get(key, []) if field in row]
+        return statistics.median(values) if values else None
+
+    worlds = sorted({world for (_, _, world) in runs})
+    rounds = max((len(group) for group in runs.values()), default=0)
+    lines = ["<!-- scale -->", "",
+             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.machine()}, "
+             f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores) with `{command}`; "
+             f"medians over {rounds} rounds. Every rank runs one thread; past 2 ranks the cores are oversubscribed, "
+             "so compare within a row, not down the columns.", "",
+             "| ranks | FULL_SHARD step (s) | check off (s) | check cost | / DDP | / FSDP2 | DDP (s) | FSDP2 (s) "
+             "| setup (s) | start to first step (s) | at N=2 | control bytes by then, rank 0 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    first_at_two = median(("FULL_SHARD", 1, worlds[0]), "start_to_first_step_s") if worlds else None
+
+    def cell(value, digits=3):
+        return f"{value:.{digits}f}" if value is not None else "-"
+
+    for world in worlds:
+        on, off = median(("FULL_SHARD", 1, world), "median_step_s"), median(("FULL_SHARD", 0, world), "median_step_s")
+        ddp, fsdp2 = median(("DDP", None, world), "median_step_s"), median(("FSDP2", None, world), "median_step_s")
+        first = median(("FULL_SHARD", 1, world), "start_to_first_step_s")
+        setup = median(("FULL_SHARD", 1, world), "setup_s")
+        control = median(("FULL_SHARD", 1, world), "control_bytes")
+        cost = f"{(on / off - 1) * 100:+.1f} %" if on and off else "-"
+        lines.append(f"| {world} | {cell(on)} | {cell(off)} | {cost} | {cell(on / ddp if on and ddp else None, 2)} "
+                     f"| {cell(on / fsdp2 if on and fsdp2 else None, 2)} | {cell(ddp)} | {cell(fsdp2)} | {cell(setup, 2)} | {cell(first, 2)} "
+                     f"| {cell(first / first_at_two if first and first_at_two else None, 2)} "
+                     f"| {int(control) if control is not None else '-'} |")
+    lines += ["", "![step time against ranks](scale.svg)", ""]
+    sweep = [row for row in rows if row.get("benchmark") == "collective_sweep"]
+    if sweep:
+        sizes = sorted({row["bytes"] for row in sweep})
+        lines += ["**Collective algorithms** (`collective_bench --sweep`, one run per N): the direct exchange's time "
+                  "/ Gloo's own algorithm's (below 1: direct is faster), and the direct time in ms. For all-reduce, "
+                  "direct is the reduce-scatter then all-gather of the buffer. Sizes are the full buffer.", "",
+                  "| collective | ranks | " + " | ".join(f"{size / 2**20:g} MB" for size in sizes) + " |",
+                  "|---|---|" + "---|" * len(sizes)]
+        for collective in ("all_gather", "reduce_scatter", "all_reduce"):
+            for world in sorted({row["world_size"] for row in sweep}):
+                by_size = {row["bytes"]: row for row in sweep if row["collective"] == collective and row["world_size"] == world}
+                cells = [f"{by_size[size]['direct_s'] / by_size[size]['gloo_s']:.2f} ({by_size[size]['direct_s'] * 1e3:.1f})"
+                         if size in by_size and by_size[size]["gloo_s"] > 0 else "-" for size in sizes]
+                lines.append(f"| {collective} | {world} | " + " | ".join(cells) + " |")
+        lines.append("")
+    lines.append("<!-- /scale -->")
+    series = {}
+    for strategy, check, name in PEERS:
+        points = [(world, median((strategy, check, world), "median_step_s")) for world in worlds]
+        points = [(x, y) for x, y in points if y is not None]
+        if points:
+            series[name] = points
+    if series:
+        line_chart(os.path.join(os.path.dirname(readme_path), "scale.svg"), "Step time against ranks (one machine)",
+                   "ranks", "median step (s)", series)
+    text = open(readme_path).read()
+    start, end = text.index("<!-- scale -->"), text.index("<!-- /scale -->") + len("<!-- /scale -->")
+    with open(readme_path + ".tmp", "w") as handle:
+        handle.write(text[:start] + "\n".join(lines) + text[end:])
+    os.replace(readme_path + ".tmp", readme_path)
+
+
+if __name__ == "__main__":
+    main()
