@@ -11,9 +11,12 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <cstring>
 #include <csignal>
+#include <cstring>
+#include <fstream>
+#include <random>
 #include <sstream>
+#include <utility>
 
 namespace fsdp::detail {
 
@@ -59,7 +62,51 @@ EnvironmentMap worker_environment(const LaunchOptions& options, const Environmen
   return environment;
 }
 
+namespace {
+
+// Whether `port` on 127.0.0.1 can be bound now (it is then closed again).
+bool port_can_be_bound(int port) {
+  int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  sockaddr_in address{};
+  address.sin_family = AF_INET;
+  address.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  address.sin_port = htons(static_cast<uint16_t>(port));
+  const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&address), sizeof(address)) == 0;
+  ::close(fd);
+  return ok;
+}
+
+// The kernel's ephemeral range (net.ipv4.ip_local_port_range), which bind(port 0) and outgoing
+// connections draw from; Linux's default when the file cannot be read.
+std::pair<int, int> ephemeral_port_range() {
+  std::ifstream file("/proc/sys/net/ipv4/ip_local_port_range");
+  int low = 32768, high = 60999;
+  if (!(file >> low >> high) || low < 1 || high > 65535 || low > high) return {32768, 60999};
+  return {low, high};
+}
+
+}  // namespace
+
 int pick_free_port() {
+  // Chosen outside the ephemeral range: the port stays unbound from this pick until rank 0's store
+  // binds it (seconds, for a Python peer importing torch), and inside the range any bind(0) or
+  // outgoing connection on the machine (Gloo opens many) could take it meanwhile, so that a rank
+  // would reach another program's socket. Outside it only another explicit pick can, and the start
+  // is random so that two launches at once rarely try the same ports.
+  const auto [low, high] = ephemeral_port_range();
+  const int first = low > 11000 ? 10000 : high + 1;
+  const int last = low > 11000 ? low - 1 : 65535;
+  if (last - first >= 100) {
+    std::random_device random;
+    const int span = last - first + 1;
+    const int start = static_cast<int>(random() % static_cast<unsigned>(span));
+    for (int attempt = 0; attempt < 200; ++attempt) {
+      const int port = first + (start + attempt * 7919) % span;
+      if (port_can_be_bound(port)) return port;
+    }
+  }
+  // No room outside the range (an unusual ip_local_port_range): a port the kernel says is free.
   int fd = ::socket(AF_INET, SOCK_STREAM, 0);
   TORCH_CHECK(fd >= 0, "fsdp launch: socket() failed while picking a free port: ", std::strerror(errno));
   sockaddr_in address{};

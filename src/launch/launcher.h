@@ -41,7 +41,8 @@ void validate(const LaunchOptions& options);
 /// The environment of local process `local_rank`: `base` plus torchrun's variables.
 EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank);
 
-/// A TCP port on 127.0.0.1 that was free a moment ago (bind to port 0, read it, close).
+/// A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's ephemeral range when
+/// there is room (so that no bind to port 0 or outgoing connection takes it before rank 0 binds it).
 int pick_free_port();
 
 struct LaunchResult {
