@@ -36,8 +36,9 @@ def main():
              f"medians over {rounds} rounds. Every rank runs one thread; past 2 ranks the cores are oversubscribed, "
              "so compare within a row, not down the columns.", "",
              "| ranks | FULL_SHARD step (s) | check off (s) | check cost | / DDP | / FSDP2 | DDP (s) | FSDP2 (s) "
-             "| setup (s) | start to first step (s) | at N=2 | control bytes by then, rank 0 |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             f"| setup (s) | start to first step (s) | / N={worlds[0] if worlds else '-'} "
+             "| control bytes by then, rank 0 | check off |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     first_at_two = median(("FULL_SHARD", 1, worlds[0]), "start_to_first_step_s") if worlds else None
 
     def cell(value, digits=3):
@@ -49,11 +50,13 @@ def main():
         first = median(("FULL_SHARD", 1, world), "start_to_first_step_s")
         setup = median(("FULL_SHARD", 1, world), "setup_s")
         control = median(("FULL_SHARD", 1, world), "control_bytes")
+        control_off = median(("FULL_SHARD", 0, world), "control_bytes")
         cost = f"{(on / off - 1) * 100:+.1f} %" if on and off else "-"
         lines.append(f"| {world} | {cell(on)} | {cell(off)} | {cost} | {cell(on / ddp if on and ddp else None, 2)} "
                      f"| {cell(on / fsdp2 if on and fsdp2 else None, 2)} | {cell(ddp)} | {cell(fsdp2)} | {cell(setup, 2)} | {cell(first, 2)} "
                      f"| {cell(first / first_at_two if first and first_at_two else None, 2)} "
-                     f"| {int(control) if control is not None else '-'} |")
+                     f"| {int(control) if control is not None else '-'} "
+                     f"| {int(control_off) if control_off is not None else '-'} |")
     lines += ["", "![step time against ranks](scale.svg)", ""]
     sweep = [row for row in rows if row.get("benchmark") == "collective_sweep"]
     if sweep:

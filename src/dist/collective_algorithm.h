@@ -13,7 +13,8 @@
 //   (the same 2(N-1)/N bytes). At N = 2 and 4 the ring is faster or equal (direct 0.98-2.3x); at
 //   N = 8 and 16 its 2(N-1) steps in sequence cost it: direct took 0.43-0.67x its time up to 4 MB
 //   and 0.85-1.03x at 16 and 64 MB. So: Gloo's ring below 8 ranks, direct from 8.
-// Both move the same bytes, so the counters (Note [Byte counters]) do not depend on the choice. The
+// Both move 2(N-1)/N of the buffer (the direct one pads it to a multiple of N, so for a buffer that
+// does not divide it counts 2(N-1) x ceil(numel/N) elements: Note [Byte counters]). The
 // direct all-reduce's second half needs the first's result, so it runs on the group's issue queue
 // (Note [Collective check]) and `all_reduce_async` still returns at once. On a network the ring's
 // advantage is fewer simultaneous flows per link, which one machine's loopback cannot show: a

@@ -166,17 +166,24 @@ TEST_P(Collectives, AsyncAllReduceAndBroadcastReturnBeforeAnyPeerIssuedThem) {
         auto sent = at::full({3}, world.rank() == 0 ? 7.0 : 0.0, at::kDouble);
         const auto mark = directory + "/rank0_issued";
         barrier(context.control());
+        // int16 takes the direct all-reduce (Gloo cannot reduce it), queued behind the float one's
+        // Gloo ring (Note [Algorithms by measurement]).
+        auto counts = at::full({3}, static_cast<int16_t>(world.rank() + 1), at::kShort);
         if (world.rank() == 0) {
           auto reduction = all_reduce_async(world, summed);
+          auto counted = all_reduce_async(world, counts);
           auto spread = broadcast_async(world, sent, 0);
           std::ofstream(mark) << "issued";
-          reduction.wait();
           spread.wait();
+          counted.wait();
+          reduction.wait();
         } else {
           ASSERT_TRUE(appears_within_five_seconds(mark)) << "rank 0's async all_reduce or broadcast waited for its peers";
           all_reduce(world, summed);
+          all_reduce(world, counts);
           broadcast(world, sent, 0);
         }
+        EXPECT_TRUE(counts.equal(at::full({3}, static_cast<int16_t>(size * (size + 1) / 2), at::kShort))) << counts;
         EXPECT_TRUE(summed.equal(at::full({5}, static_cast<float>(size * (size + 1) / 2), at::kFloat))) << summed;
         EXPECT_TRUE(sent.equal(at::full({3}, 7.0, at::kDouble))) << sent;
       },
@@ -191,8 +198,9 @@ INSTANTIATE_TEST_SUITE_P(WorldSizes, Collectives, ::testing::Values(1, 2, 3, 4),
 
 // Note [Algorithms by measurement]: from 8 ranks an all-reduce is the direct exchange, run by the
 // group's issue queue. The selftest checks it for every dtype and size against closed forms and its
-// bytes against 2(N-1)/N; rank 0's async all-reduce returns before any peer issued it, and the
-// one its peers then issue is reduced in issue order behind a Gloo-reduced one.
+// bytes against 2(N-1)/N; rank 0's two async all-reduces return before any peer issued them, and
+// are reduced in issue order; a parameter that requires grad is reduced under the caller's
+// NoGradGuard, which the queue's thread does not inherit by itself.
 TEST(CollectivesAtEightRanks, TheDirectAllReducePassesTheSelftestAndReturnsBeforeAnyPeerIssuedIt) {
   const auto directory = testing::shared_temporary_directory();
   testing::MultiRankOptions options;
@@ -224,6 +232,12 @@ TEST(CollectivesAtEightRanks, TheDirectAllReducePassesTheSelftestAndReturnsBefor
         EXPECT_TRUE(largest.equal(at::full({3}, static_cast<int16_t>(7), at::kShort))) << largest;
         // 5 floats pad to 8 x 1 and 3 int16 to 8 x 1: each rank sends 7 chunks twice per all-reduce.
         EXPECT_EQ(world.bytes_sent().all_reduce, 2 * 7 * 4 + 2 * 7 * 2);
+        auto weight = at::ones({16}).set_requires_grad(true);
+        {
+          at::NoGradGuard no_grad;
+          all_reduce(world, weight);
+        }
+        EXPECT_TRUE(weight.detach().equal(at::full({16}, 8.0f))) << weight;
       },
       options);
 }

@@ -5,6 +5,9 @@
 
 #include <fsdp/collectives.h>
 
+#include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
+
 #include <cmath>
 #include <sstream>
 
@@ -203,30 +206,36 @@ struct DirectAllReduce {
   ReduceOp op = ReduceOp::kSum;
   std::string description;
   std::chrono::milliseconds timeout{0};
+  // Taken from the pool by the caller's thread: taking a block polls the pool's busy blocks, whose
+  // completion callbacks read other collectives' state, which only the caller's thread may touch.
+  at::Tensor padded_bytes;    // undefined when the buffer divides evenly (reduced in place)
+  at::Tensor received_bytes;  // the peers' rows for this rank
+  // The caller's thread-local autograd mode, which the queue's thread does not inherit.
+  bool inference_mode = false;
 };
 
 void run_direct_all_reduce(const DirectAllReduce& plan) {
+  // The caller's mode: in-place updates of a tensor that requires grad (or of an inference tensor)
+  // are what the caller's own all_reduce would do under its guards.
+  c10::InferenceMode inference(plan.inference_mode);
+  at::NoGradGuard no_grad;
   if (plan.check) detail::verify_check(*plan.check, plan.timeout);
   const int64_t numel = plan.tensor.numel();
   const int64_t chunk = (numel + plan.size - 1) / plan.size;
-  const int64_t buffer_bytes = plan.size * chunk * plan.tensor.element_size();
   const auto dtype = plan.tensor.scalar_type();
   // In place when the buffer divides evenly, else a padded copy; the received rows come from the
   // pool, as reduce_scatter's do (a fresh buffer costs a page fault per 4 KiB).
-  const bool in_place = chunk * plan.size == numel;
-  at::Tensor padded_bytes;
+  const bool in_place = !plan.padded_bytes.defined();
   at::Tensor rows;
   if (in_place) {
     rows = plan.tensor.view({plan.size, chunk});
   } else {
-    padded_bytes = detail::pooled_bytes(buffer_bytes, plan.tensor.device());
-    rows = padded_bytes.view(dtype).view({plan.size, chunk});
+    rows = plan.padded_bytes.view(dtype).view({plan.size, chunk});
     auto flat = rows.view({-1});
     flat.narrow(0, 0, numel).copy_(plan.tensor.reshape({-1}));
     flat.narrow(0, numel, plan.size * chunk - numel).zero_();
   }
-  auto received_bytes = detail::pooled_bytes(buffer_bytes, plan.tensor.device());
-  auto received = received_bytes.view(dtype).view({plan.size, chunk});
+  auto received = plan.received_bytes.view(dtype).view({plan.size, chunk});
   received[plan.rank].copy_(rows[plan.rank]);
   // Receives from rank - 1, rank - 2, ... and sends to rank + 1, rank + 2, ...: exchange_peers' order.
   // On failure the pooled buffers are not returned: abandoned transfers may still write them.
@@ -261,11 +270,11 @@ void run_direct_all_reduce(const DirectAllReduce& plan) {
   exchange([&](int64_t peer) { return rows[peer]; }, [&](int64_t peer) { return received[peer]; });
   auto own = rows[plan.rank];
   reduce_rows_into(own, received, plan.op);
-  detail::return_pooled_bytes(received_bytes);
+  detail::return_pooled_bytes(plan.received_bytes);
   exchange([&](int64_t) { return own; }, [&](int64_t peer) { return rows[peer]; });
   if (!in_place) {
     plan.tensor.view({-1}).copy_(rows.view({-1}).narrow(0, 0, numel));
-    detail::return_pooled_bytes(padded_bytes);
+    detail::return_pooled_bytes(plan.padded_bytes);
   }
 }
 
@@ -303,7 +312,9 @@ bool CollectiveWork::query() const {
     try {
       if (!state_->deferred.get()->isCompleted()) return false;
     } catch (const std::exception&) {
-      return true;  // never issued: nothing uses the buffers
+      // Failed: a direct all-reduce's abandoned transfers may still write the buffer, so it is
+      // never reported done (a Gloo all-reduce that failed its check was never issued at all).
+      return false;
     }
   }
   for (const auto& work : state_->works) {
@@ -515,6 +526,12 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
   plan.op = op;
   plan.description = detail::with_activity(description);
   plan.timeout = group.timeout;
+  const int64_t chunk_bytes = (tensor.numel() + group.size - 1) / group.size * tensor.element_size();
+  if (chunk_bytes * group.size != tensor.numel() * tensor.element_size()) {
+    plan.padded_bytes = detail::pooled_bytes(group.size * chunk_bytes, tensor.device());
+  }
+  plan.received_bytes = detail::pooled_bytes(group.size * chunk_bytes, tensor.device());
+  plan.inference_mode = c10::InferenceMode::is_enabled();
   auto promise = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
   pending.deferred = promise->get_future().share();
   group.backend->issue_queue.push([plan = std::move(plan), promise] {
@@ -525,7 +542,6 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
       promise->set_exception(std::current_exception());
     }
   });
-  const int64_t chunk_bytes = (tensor.numel() + group.size - 1) / group.size * tensor.element_size();
   group.bytes_all_reduce += 2 * (group.size - 1) * chunk_bytes;
   return pending_work(group, issued, std::move(description), std::move(pending));
 }

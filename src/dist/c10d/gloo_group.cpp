@@ -1,6 +1,7 @@
 // Gloo process groups: their creation, the point-to-point sends and receives our collectives are
 // made of (Note [Collectives on Gloo], docs/design.md), and the queue that issues Gloo's own
-// collectives once the collective check has passed (Note [Collective check]).
+// collectives once the collective check has passed (Note [Collective check]) and runs the direct
+// all-reduce (Note [Algorithms by measurement]).
 #include "dist/c10d/internal.h"
 
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>

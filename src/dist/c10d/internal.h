@@ -26,8 +26,9 @@ struct BackendStore {
 
 /// Runs tasks one after another on a thread of its own, in the order they were queued: the Gloo
 /// collectives that may be issued only once the collective check has passed (Note [Collective
-/// check]), so that the caller's `_async` returns at once and every rank still issues Gloo's
-/// collectives in the same order.
+/// check]), and the direct all-reduce, whose second half needs its first's result (Note
+/// [Algorithms by measurement]; with the check off too), so that the caller's `_async` returns at
+/// once and every rank still runs them in the same order.
 class IssueQueue {
  public:
   ~IssueQueue();
