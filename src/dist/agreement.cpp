@@ -4,7 +4,6 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include <algorithm>
 #include <map>
 
 #include <fsdp/collectives.h>
@@ -49,8 +48,8 @@ void agree_on_fields(const DistributedContext& context, const std::string& what,
   // Note [Agreement by digest]: the details travel only when the digests differ.
   const auto text = mine.dump();
   if (same_on_every_rank(context, text)) return;
+  // Equal texts give equal digests, so some rank's text differs from here on.
   const auto all = all_gather_strings(context, text);
-  if (std::all_of(all.begin(), all.end(), [&](const std::string& text) { return text == all[0]; })) return;
   // name -> value -> ranks, in the order the names first appear.
   std::vector<std::string> order;
   std::map<std::string, std::map<std::string, std::vector<size_t>>> values;

@@ -527,7 +527,7 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
   plan.description = detail::with_activity(description);
   plan.timeout = group.timeout;
   const int64_t chunk_bytes = (tensor.numel() + group.size - 1) / group.size * tensor.element_size();
-  if (chunk_bytes * group.size != tensor.numel() * tensor.element_size()) {
+  if (tensor.numel() % group.size != 0) {
     plan.padded_bytes = detail::pooled_bytes(group.size * chunk_bytes, tensor.device());
   }
   plan.received_bytes = detail::pooled_bytes(group.size * chunk_bytes, tensor.device());
