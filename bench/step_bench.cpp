@@ -58,12 +58,21 @@ struct StackImpl : torch::nn::Module {
 };
 TORCH_MODULE(Stack);
 
-/// Bytes the loopback interface has sent since boot, or -1 where the counter is not readable.
-int64_t loopback_bytes() {
-  std::ifstream file("/sys/class/net/lo/statistics/tx_bytes");
+/// Bytes the interface has sent since it came up, or -1 where the counter is not readable.
+int64_t interface_bytes(const std::string& name) {
+  std::ifstream file("/sys/class/net/" + name + "/statistics/tx_bytes");
   long long value = -1;
   if (!(file >> value)) return -1;
   return value;
+}
+
+int64_t loopback_bytes() { return interface_bytes("lo"); }
+
+/// The interface Gloo was told to use (GLOO_SOCKET_IFNAME): the link between machines in
+/// bench/two_hosts.sh, whose counter then shows what left this machine. "" when unset.
+std::string link_interface() {
+  const char* name = std::getenv("GLOO_SOCKET_IFNAME");
+  return name != nullptr ? name : "";
 }
 
 int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor.numel() * tensor.element_size() : 0; }
@@ -75,6 +84,9 @@ int main(int argc, char** argv) {
   // (Note [Agreement by digest]) and the first step.
   const auto main_started = std::chrono::steady_clock::now();
   std::string strategy = "FULL_SHARD", model_kind = "mlp", prefetch = "on", host_memory = "default";
+  // An integer reshard_after_forward for the blocks (hpZ, Note [resharding after forward to a
+  // smaller group]); 0: the strategy's choice.
+  int64_t reshard_group = 0;
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
@@ -89,10 +101,11 @@ int main(int argc, char** argv) {
     else if (flag == "--length") length = std::stoll(value);
     else if (flag == "--vocab") vocab = std::stoll(value);
     else if (flag == "--host-memory") host_memory = value;
+    else if (flag == "--reshard-after-forward") reshard_group = std::stoll(value);
     else {
       std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
                    "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
-                   "[--length TOKENS] [--vocab V] [--host-memory default|limit]\n";
+                   "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K]\n";
       return 2;
     }
   }
@@ -160,7 +173,9 @@ int main(int argc, char** argv) {
       options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
       options.forward_prefetch = prefetch == "on";
       if (prefetch != "on") options.backward_prefetch.reset();
-      for (auto& unit : units) fsdp::fully_shard(unit, context, options);
+      auto block_options = options;
+      if (reshard_group > 0) block_options.reshard_after_forward = reshard_group;
+      for (auto& unit : units) fsdp::fully_shard(unit, context, block_options);
       fsdp::fully_shard(model, context, options);
     }
     int64_t working_set_peak = 0;
@@ -172,8 +187,12 @@ int main(int argc, char** argv) {
     };
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
     // HYBRID_SHARD talks over the machine's group and the cross-machine group, the others over the world.
+    // hpZ's backward all-gathers run over its post-forward group.
+    const fsdp::ProcessGroup* post_forward =
+        reshard_group > 1 && reshard_group < world ? &context.consecutive_subgroup(context.world(), reshard_group) : nullptr;
     auto bytes_sent = [&] {
-      if (strategy != "HYBRID_SHARD") return context.world().bytes_sent().total();
+      const int64_t extra = post_forward ? post_forward->bytes_sent().total() : 0;
+      if (strategy != "HYBRID_SHARD") return context.world().bytes_sent().total() + extra;
       return context.intra_node().bytes_sent().total() + context.cross_node().bytes_sent().total();
     };
     // What this rank holds at the optimizer step: the parameters' storage (shards), their gradients
@@ -199,10 +218,15 @@ int main(int argc, char** argv) {
     auto first_step_done = main_started;
     int64_t bytes_before = 0;
     int64_t loopback_before = -1;
+    const std::string link = link_interface();
+    int64_t link_before = -1;
     for (int64_t step = 0; step < steps + 2; ++step) {
       if (step == 2) bytes_before = bytes_sent();
       if (!single) fsdp::barrier(context.world());
-      if (step == 2 && context.rank() == 0) loopback_before = loopback_bytes();
+      if (step == 2 && context.rank() == 0) {
+        loopback_before = loopback_bytes();
+        if (!link.empty()) link_before = interface_bytes(link);
+      }
       const auto start = std::chrono::steady_clock::now();
       loss_of(input).backward();
       optimizer.step();
@@ -214,6 +238,8 @@ int main(int argc, char** argv) {
     }
     const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
     const int64_t loopback_after = context.rank() == 0 ? loopback_bytes() : -1;
+    const int64_t link_after = context.rank() == 0 && !link.empty() ? interface_bytes(link) : -1;
+    const int64_t link_per_step = link_before >= 0 && link_after >= 0 ? (link_after - link_before) / steps : -1;
     const int64_t loopback_per_step =
         loopback_before >= 0 && loopback_after >= 0 && !single ? (loopback_after - loopback_before) / steps : -1;
     std::sort(times.begin(), times.end());
@@ -231,7 +257,31 @@ int main(int argc, char** argv) {
         strategy == "FULL_SHARD" || hybrid ? static_cast<double>(parameters - root_parameters) : 0.0;
     const double within = strategy == "NO_SHARD" ? static_cast<double>(world) : static_cast<double>(shard_ranks);
     double theory = single ? 0.0 : (2.0 * parameters + gathered_twice) * (within - 1) / within * 4.0;
+    // hpZ: backward's all-gather of the blocks runs over k ranks, each sending k - 1 rows of N / k shards.
+    if (post_forward) {
+      const double k = static_cast<double>(reshard_group);
+      theory = (2.0 * parameters * (within - 1) / within + (parameters - root_parameters) * (k - 1) / k) * 4.0;
+    }
     if (hybrid) theory += 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
+    // What each rank sends to the other machines per step (L ranks per machine): a collective over
+    // the world sends (N - L) / N of its buffer off the machine; HYBRID_SHARD's and hpZ's
+    // collectives inside the machine send nothing off it, HYBRID_SHARD's all-reduce of each
+    // shard across the R machines 2 (R - 1) / R of it.
+    const double machine_ranks = single ? 1.0 : static_cast<double>(context.intra_node().size());
+    const double off_machine = (static_cast<double>(world) - machine_ranks) / static_cast<double>(world);
+    double cross_host_theory = 0.0;
+    if (hybrid) cross_host_theory = 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
+    else if (strategy == "NO_SHARD") cross_host_theory = 2.0 * off_machine * parameters * 4.0;
+    else if (!single) {
+      // Backward's all-gather: over the world (FULL_SHARD), none (SHARD_GRAD_OP), or over k
+      // consecutive ranks (hpZ), which leave the machine only when k is more than a machine's ranks.
+      double backward_off_machine = gathered_twice > 0 ? off_machine : 0.0;
+      if (post_forward) {
+        const double k = static_cast<double>(reshard_group);
+        backward_off_machine = k > machine_ranks ? (k - machine_ranks) / k : 0.0;
+      }
+      cross_host_theory = (off_machine * 2.0 * parameters + backward_off_machine * (parameters - root_parameters)) * 4.0;
+    }
     // Only the MLP blocks carry the probe; the Llama layers have no place for it.
     if (model_kind != "mlp") working_set_peak = -1;
     struct rusage usage {};
@@ -242,7 +292,8 @@ int main(int argc, char** argv) {
                   "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"loopback_bytes_per_step\": %lld, \"model_state_bytes_per_rank\": %lld, "
                   "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
                   "\"peak_rss_mb\": %.1f, \"check_collectives\": %d, \"setup_s\": %.3f, \"start_to_first_step_s\": %.3f, "
-                  "\"control_bytes\": %lld}\n",
+                  "\"control_bytes\": %lld, \"reshard_after_forward\": %lld, \"link\": \"%s\", \"link_tx_bytes_per_step\": %lld, "
+                  "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld}\n",
                   model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
                   static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
                   theory, static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
@@ -250,7 +301,9 @@ int main(int argc, char** argv) {
                   usage.ru_maxrss / 1024.0, context.environment().check_collectives ? 1 : 0,
                   std::chrono::duration<double>(setup_done - main_started).count(),
                   std::chrono::duration<double>(first_step_done - main_started).count(),
-                  static_cast<long long>(context.control().bytes_sent().total()));
+                  static_cast<long long>(context.control().bytes_sent().total()), static_cast<long long>(reshard_group),
+                  link.c_str(), static_cast<long long>(link_per_step), cross_host_theory,
+                  static_cast<long long>(machine_ranks));
     }
   } catch (const c10::Error& error) {
     std::cerr << "step_bench: " << error.what_without_backtrace() << "\n";

@@ -17,13 +17,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
-LOOPBACK_TX = "/sys/class/net/lo/statistics/tx_bytes"
-
-
-def loopback_bytes():
-    """Bytes the loopback interface has sent since boot, or -1 where the counter is not readable."""
+def interface_bytes(name="lo"):
+    """Bytes the interface has sent since it came up, or -1 where the counter is not readable."""
     try:
-        with open(LOOPBACK_TX) as handle:
+        with open(f"/sys/class/net/{name}/statistics/tx_bytes") as handle:
             return int(handle.read())
     except (OSError, ValueError):
         return -1
@@ -121,6 +118,8 @@ def main():
     parser.add_argument("--length", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--peer", choices=["ddp", "fsdp2"], default="ddp")
+    # FSDP2's int reshard_after_forward (hpZ) for the blocks; unset: True.
+    parser.add_argument("--reshard-after-forward", type=int, default=None)
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -144,15 +143,18 @@ def main():
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         for unit in (model if args.model == "mlp" else model.layers):
-            fully_shard(unit)  # reshard_after_forward=True: FULL_SHARD
+            fully_shard(unit, reshard_after_forward=args.reshard_after_forward or True)  # True: FULL_SHARD
         fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     state = 0
+    # The link between machines in bench/two_hosts.sh (what left this machine), as step_bench reads it.
+    link = os.environ.get("GLOO_SOCKET_IFNAME", "")
     for step in range(args.steps + 2):
         dist.barrier()
         if step == 2 and rank == 0:
-            lo_before = loopback_bytes()
+            lo_before = interface_bytes()
+            link_before = interface_bytes(link) if link else -1
         start = time.perf_counter()
         loss_of(model(x)).backward()
         optimizer.step()
@@ -171,7 +173,8 @@ def main():
         dist.barrier()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    lo_after = loopback_bytes() if rank == 0 else -1
+    lo_after = interface_bytes() if rank == 0 else -1
+    link_after = interface_bytes(link) if rank == 0 and link else -1
     times.sort()
     if rank == 0:
         lo_per_step = (lo_after - lo_before) // args.steps if lo_before >= 0 and lo_after >= 0 else -1
@@ -180,6 +183,9 @@ def main():
                           "prefetch": "-", "world_size": world,
                           "parameters": parameters, "median_step_s": round(times[len(times) // 2], 4),
                           "loopback_bytes_per_step": lo_per_step,
+                          "reshard_after_forward": args.reshard_after_forward or 0, "link": link,
+                          "link_tx_bytes_per_step": (link_after - link_before) // args.steps
+                          if link and link_before >= 0 and link_after >= 0 else -1,
                           "model_state_bytes_per_rank": state,
                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}))
     # PyTorch's Gloo sometimes aborts or stalls in its own teardown (tests/python/fsdp2_parity.py):

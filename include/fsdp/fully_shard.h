@@ -49,10 +49,12 @@ struct FullyShardOptions {
   /// HYBRID_SHARD_ZERO2 shard inside a machine and replicate across machines.
   /// Default: FULL_SHARD.
   ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
-  /// Free the unsharded parameters after forward and all-gather them again in backward. Default:
-  /// unset, meaning the strategy's choice (FULL_SHARD, HYBRID_SHARD: yes) for every unit except the
-  /// root, which keeps them because backward starts with it (FSDP2's `None`).
-  std::optional<bool> reshard_after_forward;
+  /// Free the unsharded parameters after forward and all-gather them again in backward (true), keep
+  /// them (false), or keep them sharded over groups of k consecutive ranks (an integer k: hpZ), see
+  /// ReshardAfterForward. Default: unset, meaning the strategy's choice (FULL_SHARD, HYBRID_SHARD:
+  /// true) for every unit except the root, which keeps them because backward starts with it
+  /// (FSDP2's `None`).
+  std::optional<ReshardAfterForward> reshard_after_forward;
   /// param_dtype (all-gather and compute), reduce_dtype (gradient reduction), output_dtype (floating
   /// outputs of the unit's forward), cast_forward_inputs, buffer_dtype (buffers of managed modules).
   /// Default: no casts.
@@ -141,7 +143,10 @@ class FSDPModule {
   /// backward after it is set to true reduces their sum once. `recurse` applies it to every unit
   /// inside this one too.
   void set_requires_gradient_sync(bool requires_sync, bool recurse = true) const;
+  /// Overrides reshard_after_forward with a bool (FSDP2's accepts bools only).
   void set_reshard_after_forward(bool reshard_after_forward, bool recurse = true) const;
+  /// A group size would silently convert to true: set it in FullyShardOptions::reshard_after_forward.
+  void set_reshard_after_forward(int group_size, bool recurse = true) const = delete;
   /// FSDP2's explicit prefetching: these units are all-gathered, in this order, right after this
   /// unit's own all-gather is issued in forward (resp. backward). Every rank must set the same lists.
   /// An empty list turns prefetching off for this unit.

@@ -125,7 +125,9 @@ struct FullyShardedDataParallelPlugin {
   /// The strategy (version 1), or the one implied by reshard_after_forward (version 2).
   ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
   /// Free unsharded parameters after forward. Version 1: true for FULL_SHARD and HYBRID_SHARD.
-  bool reshard_after_forward = true;
+  /// Version 2: a bool, or a group size (FSDP2's int, which Accelerate refuses: a difference on
+  /// purpose, see docs/accelerate-compatibility.md).
+  ReshardAfterForward reshard_after_forward = true;
   std::optional<BackwardPrefetch> backward_prefetch;
   std::optional<MixedPrecisionPolicy> mixed_precision_policy;
   AutoWrapKind auto_wrap_policy = AutoWrapKind::kNoWrap;

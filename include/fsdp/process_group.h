@@ -97,6 +97,12 @@ class DistributedContext {
   /// layout exchange, rank 0's status): Note [the control channel] in src/dist/control_channel.h.
   /// Always CPU tensors; never used for parameters or gradients.
   const ProcessGroup& control() const;
+  /// The group of `size` consecutive ranks of `parent` that holds this rank (the members
+  /// parent.global_ranks()[i * size, (i + 1) * size) for the i that holds it): the post-forward
+  /// group of an integer reshard_after_forward. Created on first use and kept; every rank of
+  /// `parent` must ask for the same sizes in the same order (fully_shard does: it runs in the same
+  /// order everywhere). `size` must divide parent.size(); `parent` itself when equal.
+  const ProcessGroup& consecutive_subgroup(const ProcessGroup& parent, int64_t size) const;
 
  private:
   std::shared_ptr<detail::RendezvousState> state_;

@@ -263,20 +263,29 @@ class Resolver {
       return;
     }
 
-    // Version 2: a bool.
+    // Version 2: a bool, or a group size of 2 or more (FSDP2's int, hpZ). Accelerate raises on an
+    // int; torch's fully_shard takes it, so we pass it on (docs/plugin.md, "Differences"). "1" and
+    // "0" stay bools, as Accelerate's str_to_bool reads them.
     if (args_.reshard_after_forward) {
       const auto& value = *args_.reshard_after_forward;
+      const auto* number = std::get_if<int64_t>(&value);
+      const auto* text = std::get_if<std::string>(&value);
       if (auto* flag = std::get_if<bool>(&value)) {
         plugin_.reshard_after_forward = *flag;
-      } else if (auto* text = std::get_if<std::string>(&value); text && is_bool_string(*text)) {
+      } else if (text && is_bool_string(*text)) {
         plugin_.reshard_after_forward = parse_bool(*text, "reshard_after_forward (from argument)");
+      } else if (number && *number >= 2) {
+        plugin_.reshard_after_forward = *number;
+      } else if (auto size = text ? group_size_string(*text) : std::nullopt) {
+        plugin_.reshard_after_forward = *size;
       } else {
         std::string shown = std::holds_alternative<ShardingStrategy>(value) ? to_string(std::get<ShardingStrategy>(value))
                             : std::holds_alternative<int64_t>(value)     ? std::to_string(std::get<int64_t>(value))
                                                                           : std::get<std::string>(value);
         TORCH_CHECK(false, "FullyShardedDataParallelPlugin: reshard_after_forward='", shown,
                     "' (from argument) is not supported with FSDP version 2; set a bool (true behaves as FULL_SHARD, "
-                    "false as SHARD_GRAD_OP). `fsdp to-fsdp2` converts a version-1 config file.");
+                    "false as SHARD_GRAD_OP) or a group size of 2 or more (hpZ: parameters stay sharded over that "
+                    "many ranks between forward and backward). `fsdp to-fsdp2` converts a version-1 config file.");
       }
       source("reshard_after_forward", "argument");
     } else if (explicit_strategy) {
@@ -284,11 +293,13 @@ class Resolver {
       plugin_.reshard_after_forward = reshards_after_forward(*explicit_strategy);
       source("reshard_after_forward", "derived from the sharding_strategy argument");
     } else if (auto found = environment_value("FSDP_RESHARD_AFTER_FORWARD")) {
-      TORCH_CHECK(is_bool_string(found->value), "FullyShardedDataParallelPlugin: reshard_after_forward='",
+      const auto size = group_size_string(found->value);
+      TORCH_CHECK(is_bool_string(found->value) || size, "FullyShardedDataParallelPlugin: reshard_after_forward='",
                   found->value, "' (from ", found->origin,
-                  ") is not supported with FSDP version 2; expected a bool (true/false, yes/no, 1/0, ...). "
-                  "`fsdp to-fsdp2` converts a version-1 config file.");
-      plugin_.reshard_after_forward = parse_bool(found->value, "reshard_after_forward");
+                  ") is not supported with FSDP version 2; expected a bool (true/false, yes/no, 1/0, ...) or a group "
+                  "size of 2 or more (hpZ). `fsdp to-fsdp2` converts a version-1 config file.");
+      if (size) plugin_.reshard_after_forward = *size;
+      else plugin_.reshard_after_forward = parse_bool(found->value, "reshard_after_forward");
       source("reshard_after_forward", found->origin);
     } else {
       plugin_.reshard_after_forward = true;
@@ -299,12 +310,20 @@ class Resolver {
       source("sharding_strategy", "argument");
     } else {
       plugin_.sharding_strategy =
-          plugin_.reshard_after_forward ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
+          static_cast<bool>(plugin_.reshard_after_forward) ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
       source("sharding_strategy", "derived from reshard_after_forward");
     }
   }
 
   static bool is_bool_string(const std::string& text) { return truth_value(text).has_value(); }
+  // A decimal group size of 2 or more with nothing around it ("8"); "1" and "0" are bools.
+  static std::optional<int64_t> group_size_string(const std::string& text) {
+    if (text.empty() || text.size() > 9 || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
+      return std::nullopt;
+    }
+    const int64_t value = std::stoll(text);
+    return value >= 2 ? std::optional<int64_t>(value) : std::nullopt;
+  }
 
   void resolve_cpu_offload() {
     if (args_.cpu_offload && std::holds_alternative<CpuOffloadPolicy>(*args_.cpu_offload)) {
@@ -841,7 +860,9 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
   nlohmann::json values;
   values["fsdp_version"] = fsdp_version;
   values["sharding_strategy"] = to_string(sharding_strategy);
-  values["reshard_after_forward"] = reshard_after_forward;
+  values["reshard_after_forward"] = reshard_after_forward.is_group_size()
+                                       ? nlohmann::json(reshard_after_forward.group_size())
+                                       : nlohmann::json(reshard_after_forward.reshards());
   values["backward_prefetch"] = backward_prefetch ? nlohmann::json(to_string(*backward_prefetch)) : nlohmann::json("NO_PREFETCH");
   if (mixed_precision_policy) {
     values["mixed_precision_policy"] = {{"param_dtype", dtype_json(mixed_precision_policy->param_dtype)},

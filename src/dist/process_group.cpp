@@ -93,6 +93,23 @@ const ProcessGroup& DistributedContext::intra_node() const { return state_->intr
 const ProcessGroup& DistributedContext::cross_node() const { return state_->cross_node; }
 const ProcessGroup& DistributedContext::control() const { return state_->control; }
 
+const ProcessGroup& DistributedContext::consecutive_subgroup(const ProcessGroup& parent, int64_t size) const {
+  TORCH_CHECK(size >= 1 && parent.size() % size == 0, "[rank ", rank(), "] a group of ", size,
+              " consecutive ranks cannot split '", parent.name(), "' of ", parent.size(),
+              " ranks; the size must divide it");
+  if (size == parent.size()) return parent;
+  const int64_t first = parent.rank() / size * size;
+  const auto& ranks = parent.global_ranks();
+  const std::vector<int64_t> members(ranks.begin() + first, ranks.begin() + first + size);
+  const std::string name = parent.name() + "[ranks " + std::to_string(members.front()) + "-" +
+                           std::to_string(members.back()) + "]";
+  std::lock_guard<std::mutex> lock(state_->subgroups_mutex);
+  auto found = state_->subgroups.find(name);
+  if (found != state_->subgroups.end()) return found->second;
+  auto group = ProcessGroup(detail::create_process_group(size == 1 ? nullptr : state_->store, environment(), name, members));
+  return state_->subgroups.emplace(name, std::move(group)).first->second;
+}
+
 DistributedContext DistributedContext::initialize_from_environment() {
   return initialize(parse_distributed_environment(current_process_environment()));
 }

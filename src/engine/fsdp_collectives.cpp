@@ -12,17 +12,43 @@ void all_gather_copy_in(const std::vector<FSDPParam>& parameters, const at::Tens
   }
 }
 
+namespace {
+
+// Row r of `rows` holds, at each parameter's `offset` in it, `factor` consecutive padded shards of
+// that parameter starting at shard r * factor; its region of `unsharded` becomes the dim-0-padded
+// full tensor. The all-gather's copy-out is factor 1 (row r is rank r's shard).
+void copy_rows_out(const at::Tensor& rows, int64_t row_count, int64_t factor, const std::vector<FSDPParam>& parameters,
+                   int64_t FSDPParam::*offset, const at::Tensor& unsharded) {
+  auto by_row = rows.view({row_count, -1});
+  for (const auto& parameter : parameters) {
+    const int64_t bytes = factor * parameter.padded_shard_bytes();
+    if (bytes == 0) continue;
+    unsharded.narrow(0, parameter.unsharded_offset_bytes, row_count * bytes)
+        .view({row_count, bytes})
+        .copy_(by_row.narrow(1, parameter.*offset, bytes));
+  }
+}
+
+}  // namespace
+
 void all_gather_copy_out(const at::Tensor& rows, int64_t shard_size, const std::vector<FSDPParam>& parameters,
                          const at::Tensor& unsharded) {
-  auto by_rank = rows.view({shard_size, -1});
+  copy_rows_out(rows, shard_size, 1, parameters, &FSDPParam::all_gather_offset_bytes, unsharded);
+}
+
+void post_forward_copy_in(const std::vector<FSDPParam>& parameters, const at::Tensor& unsharded, int64_t first_shard,
+                          int64_t factor, const at::Tensor& row) {
   for (const auto& parameter : parameters) {
     const int64_t bytes = parameter.padded_shard_bytes();
     if (bytes == 0) continue;
-    // Row r holds rank r's padded shard, so the region becomes the dim-0-padded full tensor.
-    unsharded.narrow(0, parameter.unsharded_offset_bytes, shard_size * bytes)
-        .view({shard_size, bytes})
-        .copy_(by_rank.narrow(1, parameter.all_gather_offset_bytes, bytes));
+    row.narrow(0, parameter.post_forward_offset_bytes, factor * bytes)
+        .copy_(unsharded.narrow(0, parameter.unsharded_offset_bytes + first_shard * bytes, factor * bytes));
   }
+}
+
+void post_forward_copy_out(const at::Tensor& rows, int64_t group_size, int64_t factor,
+                           const std::vector<FSDPParam>& parameters, const at::Tensor& unsharded) {
+  copy_rows_out(rows, group_size, factor, parameters, &FSDPParam::post_forward_offset_bytes, unsharded);
 }
 
 void reduce_scatter_copy_in(const std::vector<FSDPParam>& parameters, const std::vector<at::Tensor>& gradients,

@@ -22,6 +22,17 @@ void all_gather_copy_in(const std::vector<FSDPParam>& parameters, const at::Tens
 void all_gather_copy_out(const at::Tensor& rows, int64_t shard_size, const std::vector<FSDPParam>& parameters,
                          const at::Tensor& unsharded);
 
+/// Post-forward copy-in (Note [resharding after forward to a smaller group], param_group.h): each
+/// parameter's post-forward shard, the `factor` consecutive padded shards from shard `first_shard`
+/// of its region of `unsharded`, at its post_forward_offset_bytes in `row` (uint8, one rank's row).
+void post_forward_copy_in(const std::vector<FSDPParam>& parameters, const at::Tensor& unsharded, int64_t first_shard,
+                          int64_t factor, const at::Tensor& row);
+
+/// Post-forward copy-out: `rows` (uint8, group_size rows) holds the post-forward rows of a group;
+/// each parameter's region of `unsharded` becomes its full tensor again, row g's shards at g * factor.
+void post_forward_copy_out(const at::Tensor& rows, int64_t group_size, int64_t factor,
+                           const std::vector<FSDPParam>& parameters, const at::Tensor& unsharded);
+
 /// Reduce-scatter copy-in: `rows` ([shard_size, row_numel] of the reduce dtype, zeroed) gets, in row
 /// r, rank r's rows of every trainable parameter's full gradient at its reduce_offset, and the flag
 /// columns from `flags_offset` (one per trainable parameter, in order) 1 where this rank has a

@@ -33,6 +33,9 @@ struct FSDPParam {
   at::Tensor unsharded_data;
   /// Byte offset of this parameter's padded shard in one rank's all-gather row.
   int64_t all_gather_offset_bytes = 0;
+  /// Byte offset of this parameter's post-forward shard (N/k padded shards) in one rank's row of the
+  /// post-forward all-gather: Note [resharding after forward to a smaller group], param_group.h.
+  int64_t post_forward_offset_bytes = 0;
   /// Byte offset of this parameter's region (N padded shards) in the unsharded buffer.
   int64_t unsharded_offset_bytes = 0;
   /// Element offset of this parameter's padded shard in one reduce-scatter row (trainable only).

@@ -203,7 +203,7 @@ void agree_on_unit(const std::vector<std::shared_ptr<torch::nn::Module>>& module
   fields.emplace_back("modules", names);
   fields.emplace_back("sharding_strategy", to_string(options.sharding_strategy));
   fields.emplace_back("reshard_after_forward",
-                      options.reshard_after_forward ? (*options.reshard_after_forward ? "true" : "false") : "default");
+                      options.reshard_after_forward ? options.reshard_after_forward->to_string() : "default");
   fields.emplace_back("mixed_precision", "param " + dtype_text(options.mixed_precision.param_dtype) + ", reduce " +
                                              dtype_text(options.mixed_precision.reduce_dtype) + ", buffer " +
                                              dtype_text(options.mixed_precision.buffer_dtype) + ", output " +

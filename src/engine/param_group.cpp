@@ -80,9 +80,13 @@ std::string on_rank(const DistributedContext& context) { return "[rank " + std::
 
 bool ParamGroup::reshard_after_forward() const {
   if (reshard_after_forward_override_) return *reshard_after_forward_override_;
-  if (options_.reshard_after_forward) return *options_.reshard_after_forward;
+  if (options_.reshard_after_forward) return static_cast<bool>(*options_.reshard_after_forward);
   // FSDP2's None: the root keeps its parameters because backward starts with it.
   return !is_root_ && reshards_after_forward(options_.sharding_strategy);
+}
+
+const ProcessGroup* ParamGroup::post_forward_group() const {
+  return post_forward_group_ && !reshard_after_forward_override_ ? &*post_forward_group_ : nullptr;
 }
 
 int64_t ParamGroup::unsharded_buffer_bytes() const {
@@ -107,6 +111,14 @@ void ParamGroup::initialize() {
   }
   const int64_t shard_size = shard_world_size();
   const int64_t rank = shard_rank();
+  // Checked before anything is sharded, so a bad size leaves the module as it was. Every rank creates
+  // the post-forward group here, in fully_shard's order.
+  if (options_.reshard_after_forward && options_.reshard_after_forward->is_group_size()) {
+    const int64_t group_size = options_.reshard_after_forward->post_forward_group_size(shard_size, on_rank() + description());
+    if (group_size > 1 && group_size < shard_size) {
+      post_forward_group_ = context_.consecutive_subgroup(*shard_group_, group_size);
+    }
+  }
   at::NoGradGuard no_grad;
 
   if (options_.sync_module_states && world.size() > 1) {
@@ -180,6 +192,15 @@ void ParamGroup::initialize() {
   }
   all_gather_row_bytes_ = all_gather_bytes;
   unsharded_buffer_bytes_ = unsharded_bytes;
+  if (post_forward_group_) {
+    const int64_t factor = shard_size / post_forward_group_->size();
+    int64_t row_bytes = 0;
+    for (auto& parameter : parameters_) {
+      parameter.post_forward_offset_bytes = row_bytes;
+      row_bytes = align_up(row_bytes + factor * parameter.padded_shard_bytes());
+    }
+    post_forward_row_bytes_ = row_bytes;
+  }
 
   if (unshard_is_identity_) {
     for (auto& parameter : parameters_) {
@@ -238,6 +259,30 @@ void ParamGroup::unshard(bool async_op) {
   at::NoGradGuard no_grad;
   allocate_storage(unsharded_buffer_, std::max<int64_t>(unsharded_buffer_bytes_, 1), device_);
   const int64_t shard_size = shard_world_size();
+  if (sharded_state_ == ShardedState::kShardedPostForward) {
+    // Backward's all-gather over the post-forward group: Note [resharding after forward to a
+    // smaller group]. The row was filled on the compute stream after forward.
+    std::optional<c10::Stream> all_gather_stream;
+    if (has_streams(device_)) {
+      all_gather_stream = side_stream(device_, SideStream::kAllGather);
+      stream_wait_stream(*all_gather_stream, current_stream(device_));
+      record_stream(post_forward_row_, *all_gather_stream);
+    }
+    PendingUnshard pending;
+    pending.post_forward = true;
+    {
+      const StreamScope on_all_gather_stream(all_gather_stream);
+      const ActivityScope activity(activity_text());
+      pending.output = pooled_bytes(post_forward_group_->size() * post_forward_row_bytes_, device_);
+      pending.work = all_gather_async(*post_forward_group_, pending.output, post_forward_row_);
+      auto work = pending.work;
+      return_pooled_bytes_after(post_forward_row_, [work] { return work.query(); });
+      post_forward_row_ = at::Tensor();
+    }
+    unshard_in_flight_ = std::move(pending);
+    if (!async_op) wait_for_unshard();
+    return;
+  }
   if (shard_size == 1) {
     // A cast only (mixed precision without sharding): nothing to overlap.
     for (auto& parameter : parameters_) {
@@ -280,11 +325,19 @@ void ParamGroup::wait_for_unshard() {
     pending.work.wait();
   } catch (...) {
     return_pooled_bytes(unsharded_buffer_);
+    // The post-forward row went with the all-gather; the shards are intact, so a later unshard
+    // gathers from them.
+    if (pending.post_forward) sharded_state_ = ShardedState::kSharded;
     throw;
   }
   // The wait made the compute stream wait for the all-gather; the copy-out runs there, so the rows
   // (allocated on the all-gather stream) are recorded on it before they go back.
-  all_gather_copy_out(pending.output, shard_world_size(), parameters_, unsharded_buffer_);
+  if (pending.post_forward) {
+    const int64_t group_size = post_forward_group_->size();
+    post_forward_copy_out(pending.output, group_size, shard_world_size() / group_size, parameters_, unsharded_buffer_);
+  } else {
+    all_gather_copy_out(pending.output, shard_world_size(), parameters_, unsharded_buffer_);
+  }
   if (has_streams(device_)) record_stream(pending.output, current_stream(device_));
   return_pooled_bytes(pending.output);
   for (auto& parameter : parameters_) parameter.to_unsharded();
@@ -294,6 +347,12 @@ void ParamGroup::wait_for_unshard() {
 void ParamGroup::reshard() {
   wait_for_unshard();
   if (sharded_state_ == ShardedState::kSharded) return;
+  if (sharded_state_ == ShardedState::kShardedPostForward) {
+    if (post_forward_row_.defined()) return_pooled_bytes(post_forward_row_);
+    post_forward_row_ = at::Tensor();
+    sharded_state_ = ShardedState::kSharded;
+    return;
+  }
   if (!unshard_is_identity_) {
     for (auto& parameter : parameters_) parameter.to_sharded();
     return_pooled_bytes(unsharded_buffer_);
@@ -315,7 +374,25 @@ void ParamGroup::pre_forward(bool grad_enabled, const std::vector<std::shared_pt
 void ParamGroup::post_forward(bool grad_enabled) {
   // Without grad mode the units keep their usual policy (a tied output head may still need the
   // embedding's unit); the root frees every unit of the tree once the whole forward is done.
-  if (reshard_after_forward()) reshard();
+  if (!reshard_after_forward()) return;
+  if (post_forward_group() != nullptr) {
+    reshard_to_post_forward();
+  } else {
+    reshard();
+  }
+}
+
+void ParamGroup::reshard_to_post_forward() {
+  wait_for_unshard();
+  if (sharded_state_ != ShardedState::kUnsharded) return;
+  at::NoGradGuard no_grad;
+  const int64_t factor = shard_world_size() / post_forward_group_->size();
+  const int64_t first_shard = post_forward_group_->rank() * factor;
+  post_forward_row_ = pooled_bytes(post_forward_row_bytes_, device_);
+  post_forward_copy_in(parameters_, unsharded_buffer_, first_shard, factor, post_forward_row_);
+  for (auto& parameter : parameters_) parameter.to_sharded();
+  return_pooled_bytes(unsharded_buffer_);
+  sharded_state_ = ShardedState::kShardedPostForward;
 }
 
 void ParamGroup::pre_backward(const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets) {

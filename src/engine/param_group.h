@@ -18,6 +18,21 @@
 // backward runs. From the start of a training iteration (the first forward with grad mode on) until
 // its end (the end of backward), each parameter's sharded gradient is stashed in the unit and put
 // back afterwards, so between steps `param.grad()` is the sharded gradient the optimizer expects.
+//
+// [Note: resharding after forward to a smaller group]
+// An integer reshard_after_forward k (FSDP2's int, ZeRO++'s hpZ) sits between true and false: after
+// forward each rank keeps not its 1/N shard (true: backward all-gathers over all N) nor everything
+// (false) but 1/k of the unsharded parameters, so backward's all-gather runs over a group of k
+// consecutive ranks only (DistributedContext::consecutive_subgroup), the ranks of one machine when k
+// is the ranks per machine: the all-gather that true sends across machines in backward stays inside
+// one. As in FSDP2 (to_sharded_post_forward), rank r_k of its k-group keeps the r_k-th of k equal
+// slices of every padded unsharded tensor, which is the N/k consecutive padded shards from
+// r_k * N / k, and backward's all-gather over the k-group puts the full padded tensors back
+// (post_forward_copy_in / _copy_out). What is kept is the unsharded buffer's bytes, so in the compute
+// dtype under mixed precision, as FSDP2's. The registered parameters point at their own shards
+// meanwhile (nothing reads them between forward and backward), and the reduce-scatter still runs
+// over the whole shard group: only the re-gather changes. Bytes each rank sends in backward's
+// all-gather: (k - 1) * N / k shards instead of N - 1, none of them off the k-group.
 #pragma once
 
 #include <ATen/core/Tensor.h>
@@ -39,6 +54,9 @@ namespace fsdp::detail {
 enum class ShardedState {
   /// Parameters are views of their padded shards; the unsharded buffer holds no memory.
   kSharded,
+  /// Parameters are views of their padded shards, and the unit holds its post-forward row of a
+  /// smaller group (FSDP2's SHARDED_POST_FORWARD): Note [resharding after forward to a smaller group].
+  kShardedPostForward,
   /// Parameters are views of the full tensors in the unsharded buffer.
   kUnsharded,
 };
@@ -81,6 +99,8 @@ struct PendingReduction {
 struct PendingUnshard {
   CollectiveWork work;
   at::Tensor output;
+  /// Gathered over the post-forward group (the rows are post-forward rows).
+  bool post_forward = false;
 };
 
 /// [Note: gradient flags]
@@ -123,8 +143,14 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   ShardedState sharded_state() const { return sharded_state_; }
   bool is_root() const { return is_root_; }
   void set_root(bool is_root) { is_root_ = is_root; }
+  /// Whether forward frees the unsharded parameters, fully or to the post-forward group.
   bool reshard_after_forward() const;
   void set_reshard_after_forward(bool value) { reshard_after_forward_override_ = value; }
+  /// The group that backward all-gathers over after an integer reshard_after_forward, when it is in
+  /// effect (not overridden with a bool): Note [resharding after forward to a smaller group].
+  const ProcessGroup* post_forward_group() const;
+  /// Bytes of the post-forward row this rank holds now (0 unless kShardedPostForward).
+  int64_t post_forward_bytes() const { return post_forward_row_.defined() ? post_forward_row_bytes_ : 0; }
   bool requires_gradient_sync() const { return requires_gradient_sync_; }
   void set_requires_gradient_sync(bool value) { requires_gradient_sync_ = value; }
   /// Bytes the unsharded buffer holds now (0 while sharded, or for units that never need one).
@@ -176,7 +202,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   bool has_unshard_in_flight() const { return unshard_in_flight_.has_value(); }
   /// Whether unshard() would issue an all-gather now (sharded, none in flight, more than one shard).
   bool needs_all_gather() const {
-    return sharded_state_ == ShardedState::kSharded && !unshard_in_flight_ && !unshard_is_identity_ &&
+    return sharded_state_ != ShardedState::kUnsharded && !unshard_in_flight_ && !unshard_is_identity_ &&
            shard_world_size() > 1;
   }
   /// Waits for this unit's reduction in flight, if any, and adds its result to the sharded gradients.
@@ -205,6 +231,8 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   c10::Device storage_device() const { return storage_device_; }
 
  private:
+  /// Keeps this rank's post-forward row and frees the unsharded buffer (kShardedPostForward).
+  void reshard_to_post_forward();
   /// Which parameters take part in gradient reduction (those that require grad now) and where.
   void refresh_trainable_parameters();
   /// Issues the reduction of `unsharded_gradients` (one per parameter, undefined where none).
@@ -216,6 +244,12 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   std::vector<FSDPParam> parameters_;
   std::optional<ProcessGroup> shard_group_;
   std::optional<ProcessGroup> replicate_group_;
+  /// An integer reshard_after_forward between 1 and the shard size: its group and the unit's row in
+  /// it, shard_size / group size padded shards of every parameter (Note [resharding after forward
+  /// to a smaller group]).
+  std::optional<ProcessGroup> post_forward_group_;
+  int64_t post_forward_row_bytes_ = 0;
+  at::Tensor post_forward_row_;
   /// True when unsharding changes nothing (one shard, no dtype cast): parameters keep their data.
   bool unshard_is_identity_ = false;
   int64_t all_gather_row_bytes_ = 0;

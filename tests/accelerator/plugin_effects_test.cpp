@@ -30,7 +30,7 @@ std::string dtype_text(const std::optional<c10::ScalarType>& dtype) {
 std::string describe(const FullyShardOptions& options) {
   std::ostringstream text;
   text << "strategy=" << to_string(options.sharding_strategy) << " reshard="
-       << (options.reshard_after_forward ? std::to_string(*options.reshard_after_forward) : "-")
+       << (options.reshard_after_forward ? options.reshard_after_forward->to_string() : "-")
        << " mp=" << dtype_text(options.mixed_precision.param_dtype) << "/" << dtype_text(options.mixed_precision.reduce_dtype)
        << "/" << dtype_text(options.mixed_precision.buffer_dtype) << "/" << dtype_text(options.mixed_precision.output_dtype)
        << " offload=" << options.offload.offload_params << " sync=" << options.sync_module_states

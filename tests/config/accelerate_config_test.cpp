@@ -146,6 +146,17 @@ TEST(AccelerateConfig, NoFsdpNoExport) {
   EXPECT_EQ(fsdp_launch_environment(nullptr, {}, true, std::nullopt).variables.at("FSDP_VERSION"), "1");
 }
 
+// Accelerate's launcher exports the key as it is (str(8).lower()) and its plugin then refuses an
+// integer; ours reads it as FSDP2's group size (docs/plugin.md, "Differences").
+TEST(AccelerateConfig, AnIntegerReshardAfterForwardReachesThePluginAsAGroupSize) {
+  auto config = parse_accelerate_config(
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_version: 2\n  fsdp_reshard_after_forward: 8\n", "hpz.yaml");
+  const auto exported = fsdp_launch_environment(&config, {}, false, std::nullopt);
+  EXPECT_EQ(exported.variables.at("FSDP_RESHARD_AFTER_FORWARD"), "8");
+  auto plugin = resolve_plugin({}, exported.variables);
+  EXPECT_EQ(plugin.reshard_after_forward, ReshardAfterForward(8));
+}
+
 TEST(AccelerateConfig, ToFsdp2MatchesAccelerate) {
   auto conversion = convert_config_to_fsdp2(read_data("accelerate_fsdp1.yaml"), "fsdp1.yaml");
   EXPECT_EQ(conversion.yaml, read_data("accelerate_fsdp2_expected.yaml"));

@@ -95,6 +95,23 @@ std::vector<ResolveCase> resolve_cases() {
   add("V2ReshardArgumentBoolString",
       [] { Args a; a.fsdp_version = int64_t{2}; a.reshard_after_forward = std::string("Y"); return a; }, {},
       [](const Plugin& p) { EXPECT_TRUE(p.reshard_after_forward); });
+  // An integer of 2 or more is a group size (FSDP2's int, hpZ), where Accelerate raises; "1" stays a bool.
+  add("V2ReshardGroupSizeFromEnvironment", none, {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "8"}},
+      [](const Plugin& p) {
+        ASSERT_TRUE(p.reshard_after_forward.is_group_size());
+        EXPECT_EQ(p.reshard_after_forward.group_size(), 8);
+        EXPECT_EQ(p.sharding_strategy, ShardingStrategy::kFullShard);
+        EXPECT_EQ(p.sources.at("reshard_after_forward"), "environment variable FSDP_RESHARD_AFTER_FORWARD");
+      });
+  add("V2ReshardOneFromEnvironmentIsTrue", none, {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "1"}},
+      [](const Plugin& p) { EXPECT_EQ(p.reshard_after_forward, ReshardAfterForward(true)); });
+  add("V2ReshardGroupSizeArgument", [] { Args a; a.fsdp_version = int64_t{2}; a.reshard_after_forward = int64_t{4}; return a; },
+      {{"FSDP_RESHARD_AFTER_FORWARD", "false"}}, [](const Plugin& p) {
+        EXPECT_EQ(p.reshard_after_forward, ReshardAfterForward(4));
+        EXPECT_EQ(nlohmann::json::parse(p.to_json())["reshard_after_forward"]["value"], 4) << p.to_json();
+      });
+  add("V2ReshardGroupSizeString", [] { Args a; a.fsdp_version = int64_t{2}; a.reshard_after_forward = std::string("2"); return a; },
+      {}, [](const Plugin& p) { EXPECT_EQ(p.reshard_after_forward, ReshardAfterForward(2)); });
   add("V2StrategyAloneConverts",  // Accelerate raises here (Q2)
       [] { Args a; a.fsdp_version = int64_t{2}; a.sharding_strategy = std::string("SHARD_GRAD_OP"); return a; }, {},
       [](const Plugin& p) {
@@ -351,6 +368,10 @@ std::vector<ErrorCase> error_cases() {
        {}, {"reshard_after_forward='FULL_SHARD'", "set a bool", "fsdp to-fsdp2"}},
       {"V2ReshardVariableStrategy", none, {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "SHARD_GRAD_OP"}},
        {"FSDP_RESHARD_AFTER_FORWARD", "expected a bool"}},
+      {"V2ReshardIntegerOne", [] { Args a; a.fsdp_version = int64_t{2}; a.reshard_after_forward = int64_t{1}; return a; },
+       {}, {"reshard_after_forward='1'", "set a bool", "group size of 2 or more"}},
+      {"V2ReshardVariableNegative", none, {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "-8"}},
+       {"reshard_after_forward='-8'", "FSDP_RESHARD_AFTER_FORWARD", "group size of 2 or more"}},
       {"OffloadNotBool", none, {{"FSDP_OFFLOAD_PARAMS", "maybe"}}, {"cpu_offload", "FSDP_OFFLOAD_PARAMS", "'maybe'", "y, yes, t, true"}},
       {"PrefetchThree", none, {{"FSDP_BACKWARD_PREFETCH", "3"}}, {"backward_prefetch='3'", "BACKWARD_PRE, BACKWARD_POST"}},
       {"StateDictUnknown", none, {{"FSDP_STATE_DICT_TYPE", "FULL"}}, {"state_dict_type='FULL'", "SHARDED_STATE_DICT"}},

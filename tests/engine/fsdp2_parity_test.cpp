@@ -73,7 +73,8 @@ struct ParityCase {
   std::string name;
   bool llama = false;
   int world_size = 2;
-  bool reshard_after_forward = true;
+  /// A bool, or FSDP2's int (hpZ: sharded over groups of that many ranks between forward and backward).
+  ReshardAfterForward reshard_after_forward = true;
   /// HYBRID_SHARD over simulated machines of two ranks (FSDP2: a [world / 2, 2] device mesh).
   bool hybrid = false;
   int accumulation = 1;
@@ -90,7 +91,9 @@ void PrintTo(const ParityCase& parity, std::ostream* out) { *out << parity.name;
 std::string case_json(const ParityCase& parity) {
   nlohmann::json json;
   json["model"] = parity.llama ? "llama" : "mlp";
-  json["reshard"] = parity.reshard_after_forward;
+  json["reshard"] = parity.reshard_after_forward.is_group_size()
+                        ? nlohmann::json(parity.reshard_after_forward.group_size())
+                        : nlohmann::json(parity.reshard_after_forward.reshards());
   json["mesh"] = parity.hybrid ? std::vector<int>{parity.world_size / 2, 2} : std::vector<int>{};
   json["accumulation"] = parity.accumulation;
   json["bf16"] = parity.bf16;
@@ -206,7 +209,7 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
     // What Accelerate builds for fsdp_version=1 with these plugin fields.
     FullyShardedDataParallelPluginArgs args;
     args.fsdp_version = int64_t{1};
-    args.sharding_strategy = std::string(parity.reshard_after_forward ? "FULL_SHARD" : "SHARD_GRAD_OP");
+    args.sharding_strategy = std::string(static_cast<bool>(parity.reshard_after_forward) ? "FULL_SHARD" : "SHARD_GRAD_OP");
     args.auto_wrap_policy = std::string("transformer_based_wrap");
     args.transformer_cls_names_to_wrap = std::string(parity.llama ? "LlamaDecoderLayer" : "ParityBlock");
     if (parity.bf16) {
@@ -223,7 +226,7 @@ void train_with_fsdp_cpp(const DistributedContext& context, const std::string& d
     options.reshard_after_forward = parity.reshard_after_forward;
     if (parity.hybrid) {
       options.sharding_strategy =
-          parity.reshard_after_forward ? ShardingStrategy::kHybridShard : ShardingStrategy::kHybridShardZero2;
+          static_cast<bool>(parity.reshard_after_forward) ? ShardingStrategy::kHybridShard : ShardingStrategy::kHybridShardZero2;
     }
     if (parity.bf16) {
       options.mixed_precision.param_dtype = torch::kBFloat16;
@@ -421,6 +424,9 @@ std::vector<ParityCase> parity_cases() {
       }
     }
     add(llama, "HybridShard2x2", 4, true, true, 1, false);
+    // FSDP2's int reshard_after_forward (hpZ): sharded over pairs of ranks between forward and backward.
+    add(llama, "4ranks_reshard2", 4, true, false, 1, false);
+    cases.back().reshard_after_forward = 2;
     add(llama, "3ranks_GradientAccumulation", 3, true, false, 2, false);
     add(llama, "2ranks_Bf16ParamsFp32Reduce", 2, true, false, 1, true);
     // fsdp_version=1 against PyTorch FSDP1.

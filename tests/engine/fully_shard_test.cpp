@@ -147,6 +147,75 @@ TEST(FullyShard, HybridShardOnTwoSimulatedMachinesMatchesSingleProcess) {
       options);
 }
 
+// An integer reshard_after_forward (FSDP2's int, hpZ): Note [resharding after forward to a smaller
+// group]. Four ranks on two simulated machines, k = 2 = the ranks per machine: training equals
+// single-process training; between forward and backward each unit holds its post-forward row (N/k
+// padded shards of every parameter) and no unsharded buffer; backward's all-gathers run over the
+// machine's two ranks only, each rank sending (k - 1) post-forward rows, and none runs on the world.
+TEST(FullyShard, IntegerReshardAfterForwardTrainsLikeSingleProcessAndGathersBackwardInsideTheMachine) {
+  testing::run_on_ranks(
+      4,
+      [](const DistributedContext& context) {
+        FullyShardOptions options;
+        options.reshard_after_forward = 2;
+        {
+          auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
+          shard_mlp(sharded, context, options);
+          train_and_compare(context, sharded, reference, mlp_batch, mse, "MLP stack, reshard_after_forward=2");
+        }
+        {
+          auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(8);
+          shard_transformer(sharded, context, options);
+          train_and_compare(
+              context, sharded, reference, [](int step) { return token_batch(2000 + step, kGlobalBatch); },
+              next_token_loss, "transformer, reshard_after_forward=2");
+        }
+
+        torch::manual_seed(7);
+        testing::MlpStack model;
+        shard_mlp(model, context, options);
+        const auto units = fsdp_modules(*model);
+        const auto* group = detail::group_of(units.front()).post_forward_group();
+        ASSERT_NE(group, nullptr);
+        EXPECT_EQ(group->global_ranks(), context.intra_node().global_ranks());
+        auto [inputs, targets] = mlp_batch(0);
+        auto loss = mse(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context));
+        int64_t expected_sent = 0;
+        for (const auto& unit : units) {
+          const auto& unit_group = detail::group_of(unit);
+          EXPECT_EQ(unit_group.sharded_state(), detail::ShardedState::kShardedPostForward) << unit.description();
+          EXPECT_EQ(unit.unsharded_buffer_bytes(), 0) << unit.description();
+          // Theory: factor = N / k = 2 padded shards of each parameter, each at a 16-byte boundary.
+          int64_t row = 0;
+          for (const auto& info : unit.sharded_parameters()) {
+            row = (row + 2 * info.layout.numel_padded_shard * 4 + 15) / 16 * 16;
+            EXPECT_EQ(info.parameter.sizes(), at::IntArrayRef(info.layout.sharded_sizes)) << info.name;
+          }
+          EXPECT_EQ(unit_group.post_forward_bytes(), row) << unit.description();
+          expected_sent += (2 - 1) * row;
+        }
+        group->reset_bytes_sent();
+        context.world().start_trace();
+        loss.backward();
+        for (const auto& entry : context.world().stop_trace()) {
+          EXPECT_EQ(entry.rfind("all_gather", 0), std::string::npos) << "an all-gather on the world in backward: " << entry;
+        }
+        EXPECT_EQ(group->bytes_sent().all_gather, expected_sent);
+        for (const auto& unit : units) {
+          EXPECT_EQ(detail::group_of(unit).sharded_state(), detail::ShardedState::kSharded) << unit.description();
+          EXPECT_EQ(detail::group_of(unit).post_forward_bytes(), 0) << unit.description();
+        }
+
+        // A size that does not divide the shard group is named, on every rank.
+        options.reshard_after_forward = 3;
+        auto message = testing::error_message_of([&] { fully_shard(torch::nn::Linear(2, 2).ptr(), context, options); });
+        EXPECT_NE(message.find("reshard_after_forward=3 must divide the size of the group that shards the unit, 4 ranks"),
+                  std::string::npos)
+            << message;
+      },
+      testing::simulated_machines(2));
+}
+
 TEST(FullyShard, EachRankStoresOnlyItsShardOfParametersAndOptimizerState) {
   testing::run_on_ranks(3, [](const DistributedContext& context) {
     torch::manual_seed(7);

@@ -5,7 +5,7 @@ tests/engine/fsdp2_parity_test.cpp trains with fsdp.cpp. Run on N processes with
 
 DIR/case.json says what to train:
     model          "mlp" (ParityMlp below) or "llama" (transformers' LlamaForCausalLM from DIR/config.json)
-    reshard        reshard_after_forward of every unit
+    reshard        reshard_after_forward of every unit: a bool, or an int (hpZ)
     mesh           [] (1-D over the world) or [replicate, shard] (HSDP on a 2-D device mesh)
     accumulation   micro-batches per step; the first k-1 run with set_requires_gradient_sync(False)
     bf16           MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
@@ -99,7 +99,12 @@ def main(directory, output):
     model.to(device)
     if case.get("fsdp1"):
         return train(directory, output, case, wrap_fsdp1(model, units, case))
-    arguments = {"reshard_after_forward": case["reshard"]}
+    reshard = case["reshard"]
+    if not isinstance(reshard, bool) and dist.get_world_size() % reshard:
+        # The one-rank reference run (the spread) of an int case: FSDP2 refuses a group larger than
+        # the world, and on one rank every choice computes the same.
+        reshard = True
+    arguments = {"reshard_after_forward": reshard}
     if case["mesh"]:
         # HSDP: shard over the inner dimension (ranks of one machine), replicate over the outer.
         arguments["mesh"] = init_device_mesh(device.type, tuple(case["mesh"]), mesh_dim_names=("replicate", "shard"))

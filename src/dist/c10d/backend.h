@@ -4,6 +4,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -60,6 +61,9 @@ struct RendezvousState {
   ProcessGroup intra_node;
   ProcessGroup cross_node;
   ProcessGroup control;
+  /// DistributedContext::consecutive_subgroup's groups by name.
+  std::mutex subgroups_mutex;
+  std::map<std::string, ProcessGroup> subgroups;
 };
 
 /// Connects to (rank 0: hosts) the TCP store at MASTER_ADDR:MASTER_PORT. Throws with the address,
