@@ -14,6 +14,19 @@ COLORS = {"FULL_SHARD": "#1f77b4", "SHARD_GRAD_OP": "#2ca02c", "HYBRID_SHARD": "
           "FULL_SHARD, prefetch off": "#7fb3d5", "16 B/param / N": "#7f7f7f"}
 
 
+def replace_between_markers(readme_path, marker, lines):
+    """Writes `lines` (which begin and end with the markers) over the text between <!-- marker -->
+    and <!-- /marker --> of readme_path, through a temporary file."""
+    text = open(readme_path).read()
+    opening, closing = f"<!-- {marker} -->", f"<!-- /{marker} -->"
+    if opening not in text or closing not in text:
+        raise SystemExit(f"{readme_path} has no {opening} ... {closing} markers to write between")
+    start, end = text.index(opening), text.index(closing) + len(closing)
+    with open(readme_path + ".tmp", "w") as handle:
+        handle.write(text[:start] + "\n".join(lines) + text[end:])
+    os.replace(readme_path + ".tmp", readme_path)
+
+
 def line_chart(path, title, x_label, y_label, series):
     """A small SVG line chart: `series` maps a name to [(x, y), ...]; x values are placed evenly."""
     width, height, left, right, top, bottom = 640, 380, 70, 190, 40, 50

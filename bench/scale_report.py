@@ -8,7 +8,7 @@ import subprocess
 import sys
 import time
 
-from report import line_chart
+from report import line_chart, replace_between_markers
 
 PEERS = (("FULL_SHARD", 1, "FULL_SHARD"), ("FULL_SHARD", 0, "FULL_SHARD, check off"), ("DDP", None, "DDP"),
          ("FSDP2", None, "FSDP2"))
@@ -83,11 +83,7 @@ def main():
     if series:
         line_chart(os.path.join(os.path.dirname(readme_path), "scale.svg"), "Step time against ranks (one machine)",
                    "ranks", "median step (s)", series)
-    text = open(readme_path).read()
-    start, end = text.index("<!-- scale -->"), text.index("<!-- /scale -->") + len("<!-- /scale -->")
-    with open(readme_path + ".tmp", "w") as handle:
-        handle.write(text[:start] + "\n".join(lines) + text[end:])
-    os.replace(readme_path + ".tmp", readme_path)
+    replace_between_markers(readme_path, "scale", lines)
 
 
 if __name__ == "__main__":

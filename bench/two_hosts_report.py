@@ -3,12 +3,13 @@ rounds, between the <!-- two-hosts --> markers): step time per configuration aga
 FSDP2, and the bytes that left host 0 per step (its veth's counter, all of its ranks) against
 theory (step_bench's cross_host_theory_per_rank times the ranks per machine)."""
 import json
-import os
 import platform
 import statistics
 import subprocess
 import sys
 import time
+
+from report import replace_between_markers
 
 
 def name_of(row):
@@ -60,13 +61,7 @@ def main():
             lines.append(f"| {world} (2 x {world // 2}) | {name} | {step:.3f} | {ratio(step, ddp)} | {ratio(step, fsdp2)} "
                          f"| {mb(sent)} | {mb(theory)} | {ratio(sent, theory) if theory else '-'} |")
     lines += ["", "<!-- /two-hosts -->"]
-    text = open(readme_path).read()
-    if "<!-- two-hosts -->" not in text:
-        raise SystemExit(f"{readme_path} has no <!-- two-hosts --> ... <!-- /two-hosts --> markers to write between")
-    start, end = text.index("<!-- two-hosts -->"), text.index("<!-- /two-hosts -->") + len("<!-- /two-hosts -->")
-    with open(readme_path + ".tmp", "w") as handle:
-        handle.write(text[:start] + "\n".join(lines) + text[end:])
-    os.replace(readme_path + ".tmp", readme_path)
+    replace_between_markers(readme_path, "two-hosts", lines)
 
 
 if __name__ == "__main__":

@@ -88,21 +88,25 @@ void shard_transformer(testing::TinyTransformer& model, const DistributedContext
   fully_shard(model.ptr(), context, options);
 }
 
-void run_parity(const DistributedContext& context, ShardingStrategy strategy) {
-  FullyShardOptions options;
-  options.sharding_strategy = strategy;
+void run_parity(const DistributedContext& context, const FullyShardOptions& options, const std::string& what = "") {
   {
     auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     shard_mlp(sharded, context, options);
-    train_and_compare(context, sharded, reference, mlp_batch, mse, "MLP stack");
+    train_and_compare(context, sharded, reference, mlp_batch, mse, "MLP stack" + what);
   }
   {
     auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(8);
     shard_transformer(sharded, context, options);
     train_and_compare(
         context, sharded, reference, [](int step) { return token_batch(2000 + step, kGlobalBatch); },
-        next_token_loss, "transformer");
+        next_token_loss, "transformer" + what);
   }
+}
+
+void run_parity(const DistributedContext& context, ShardingStrategy strategy) {
+  FullyShardOptions options;
+  options.sharding_strategy = strategy;
+  run_parity(context, options);
 }
 
 struct StrategyCase {
@@ -158,18 +162,7 @@ TEST(FullyShard, IntegerReshardAfterForwardTrainsLikeSingleProcessAndGathersBack
       [](const DistributedContext& context) {
         FullyShardOptions options;
         options.reshard_after_forward = 2;
-        {
-          auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
-          shard_mlp(sharded, context, options);
-          train_and_compare(context, sharded, reference, mlp_batch, mse, "MLP stack, reshard_after_forward=2");
-        }
-        {
-          auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(8);
-          shard_transformer(sharded, context, options);
-          train_and_compare(
-              context, sharded, reference, [](int step) { return token_batch(2000 + step, kGlobalBatch); },
-              next_token_loss, "transformer, reshard_after_forward=2");
-        }
+        run_parity(context, options, ", reshard_after_forward=2");
 
         torch::manual_seed(7);
         testing::MlpStack model;
