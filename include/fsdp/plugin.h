@@ -126,7 +126,7 @@ struct FullyShardedDataParallelPlugin {
   ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
   /// Free unsharded parameters after forward. Version 1: true for FULL_SHARD and HYBRID_SHARD.
   /// Version 2: a bool, or a group size (FSDP2's int, which Accelerate refuses: a difference on
-  /// purpose, see docs/accelerate-compatibility.md).
+  /// purpose, see docs/plugin.md).
   ReshardAfterForward reshard_after_forward = true;
   std::optional<BackwardPrefetch> backward_prefetch;
   std::optional<MixedPrecisionPolicy> mixed_precision_policy;

@@ -318,9 +318,7 @@ class Resolver {
   static bool is_bool_string(const std::string& text) { return truth_value(text).has_value(); }
   // A decimal group size of 2 or more with nothing around it ("8"); "1" and "0" are bools.
   static std::optional<int64_t> group_size_string(const std::string& text) {
-    if (text.empty() || text.size() > 9 || !std::all_of(text.begin(), text.end(), [](char c) { return c >= '0' && c <= '9'; })) {
-      return std::nullopt;
-    }
+    if (!is_digits(text) || text.size() > 9) return std::nullopt;
     const int64_t value = std::stoll(text);
     return value >= 2 ? std::optional<int64_t>(value) : std::nullopt;
   }

@@ -175,6 +175,10 @@ void ParamGroup::initialize() {
   unshard_is_identity_ = shard_size == 1 && !offloaded_;
   int64_t all_gather_bytes = 0;
   int64_t unsharded_bytes = 0;
+  // The post-forward row holds shard_size / k padded shards of each parameter (Note [resharding
+  // after forward to a smaller group]).
+  const int64_t post_forward_factor = post_forward_group_ ? shard_size / post_forward_group_->size() : 0;
+  int64_t post_forward_bytes = 0;
   for (auto& parameter : parameters_) {
     TORCH_CHECK(!parameter.parameter.grad().defined(), on_rank(), "fully_shard: parameter '", parameter.name,
                 "' already has a gradient of the full shape, which the sharded parameter cannot keep. Reset it first "
@@ -189,18 +193,14 @@ void ParamGroup::initialize() {
     all_gather_bytes = align_up(all_gather_bytes + shard_bytes);
     parameter.unsharded_offset_bytes = unsharded_bytes;
     unsharded_bytes = align_up(unsharded_bytes + shard_size * shard_bytes);
+    if (post_forward_factor > 0) {
+      parameter.post_forward_offset_bytes = post_forward_bytes;
+      post_forward_bytes = align_up(post_forward_bytes + post_forward_factor * shard_bytes);
+    }
   }
   all_gather_row_bytes_ = all_gather_bytes;
   unsharded_buffer_bytes_ = unsharded_bytes;
-  if (post_forward_group_) {
-    const int64_t factor = shard_size / post_forward_group_->size();
-    int64_t row_bytes = 0;
-    for (auto& parameter : parameters_) {
-      parameter.post_forward_offset_bytes = row_bytes;
-      row_bytes = align_up(row_bytes + factor * parameter.padded_shard_bytes());
-    }
-    post_forward_row_bytes_ = row_bytes;
-  }
+  post_forward_row_bytes_ = post_forward_bytes;
 
   if (unshard_is_identity_) {
     for (auto& parameter : parameters_) {
@@ -259,31 +259,10 @@ void ParamGroup::unshard(bool async_op) {
   at::NoGradGuard no_grad;
   allocate_storage(unsharded_buffer_, std::max<int64_t>(unsharded_buffer_bytes_, 1), device_);
   const int64_t shard_size = shard_world_size();
-  if (sharded_state_ == ShardedState::kShardedPostForward) {
-    // Backward's all-gather over the post-forward group: Note [resharding after forward to a
-    // smaller group]. The row was filled on the compute stream after forward.
-    std::optional<c10::Stream> all_gather_stream;
-    if (has_streams(device_)) {
-      all_gather_stream = side_stream(device_, SideStream::kAllGather);
-      stream_wait_stream(*all_gather_stream, current_stream(device_));
-      record_stream(post_forward_row_, *all_gather_stream);
-    }
-    PendingUnshard pending;
-    pending.post_forward = true;
-    {
-      const StreamScope on_all_gather_stream(all_gather_stream);
-      const ActivityScope activity(activity_text());
-      pending.output = pooled_bytes(post_forward_group_->size() * post_forward_row_bytes_, device_);
-      pending.work = all_gather_async(*post_forward_group_, pending.output, post_forward_row_);
-      auto work = pending.work;
-      return_pooled_bytes_after(post_forward_row_, [work] { return work.query(); });
-      post_forward_row_ = at::Tensor();
-    }
-    unshard_in_flight_ = std::move(pending);
-    if (!async_op) wait_for_unshard();
-    return;
-  }
-  if (shard_size == 1) {
+  // After an integer reshard_after_forward the unit gathers its post-forward row over the smaller
+  // group instead: Note [resharding after forward to a smaller group].
+  const bool from_post_forward = sharded_state_ == ShardedState::kShardedPostForward;
+  if (shard_size == 1 && !from_post_forward) {
     // A cast only (mixed precision without sharding): nothing to overlap.
     for (auto& parameter : parameters_) {
       parameter.unsharded_data.copy_(parameter.sharded_padded.view(parameter.layout.unsharded_sizes));
@@ -293,21 +272,31 @@ void ParamGroup::unshard(bool async_op) {
     return;
   }
   // On a GPU the copy-in and the issue run on the all-gather stream, which first waits for the
-  // compute stream's work so far (the optimizer step wrote the shards): Note [streams of a unit],
-  // src/memory/device.h. Both rows are allocated there. On CPU there are no streams.
+  // compute stream's work so far (the optimizer step wrote the shards; forward's end filled a
+  // post-forward row): Note [streams of a unit], src/memory/device.h. The rows are allocated there,
+  // a post-forward row is recorded on it. On CPU there are no streams.
   std::optional<c10::Stream> all_gather_stream;
   if (has_streams(device_)) {
     all_gather_stream = side_stream(device_, SideStream::kAllGather);
     stream_wait_stream(*all_gather_stream, current_stream(device_));
+    if (from_post_forward) record_stream(post_forward_row_, *all_gather_stream);
   }
+  const ProcessGroup& group = from_post_forward ? *post_forward_group_ : *shard_group_;
   PendingUnshard pending;
+  pending.post_forward = from_post_forward;
   {
     const StreamScope on_all_gather_stream(all_gather_stream);
-    auto input = pooled_bytes(all_gather_row_bytes_, device_);
-    all_gather_copy_in(parameters_, input);
+    at::Tensor input;
+    if (from_post_forward) {
+      input = post_forward_row_;
+      post_forward_row_ = at::Tensor();
+    } else {
+      input = pooled_bytes(all_gather_row_bytes_, device_);
+      all_gather_copy_in(parameters_, input);
+    }
     const ActivityScope activity(activity_text());
-    pending.output = pooled_bytes(shard_size * all_gather_row_bytes_, device_);
-    pending.work = all_gather_async(*shard_group_, pending.output, input);
+    pending.output = pooled_bytes(group.size() * input.numel(), device_);
+    pending.work = all_gather_async(group, pending.output, input);
     // Nothing here reads the row again; the pool hands it out once the transport is done with it.
     auto work = pending.work;
     return_pooled_bytes_after(input, [work] { return work.query(); });
@@ -348,7 +337,7 @@ void ParamGroup::reshard() {
   wait_for_unshard();
   if (sharded_state_ == ShardedState::kSharded) return;
   if (sharded_state_ == ShardedState::kShardedPostForward) {
-    if (post_forward_row_.defined()) return_pooled_bytes(post_forward_row_);
+    return_pooled_bytes(post_forward_row_);  // none after a failed all-gather took it
     post_forward_row_ = at::Tensor();
     sharded_state_ = ShardedState::kSharded;
     return;
