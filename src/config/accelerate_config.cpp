@@ -391,7 +391,8 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
   }
   YAML::Emitter emitter;
   emit_preserving_quotes(emitter, root);
-  conversion.yaml = std::string(emitter.c_str()) + "\n";
+  // By size, not c_str(): a scalar may hold a NUL ("\0" in double quotes), which c_str() would end at.
+  conversion.yaml = std::string(emitter.c_str(), emitter.size()) + "\n";
   return conversion;
 }
 

@@ -205,6 +205,11 @@ TEST(AccelerateConfig, ToFsdp2StrategyMappingAndEdgeCases) {
   EXPECT_NE(error_message_of([] { convert_config_to_fsdp2("fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n", "l.yaml"); })
                 .find("LOCAL_STATE_DICT does not exist in FSDP version 2"),
             std::string::npos);
+  // A NUL in a quoted value (found by plugin_config_fuzz) is kept, and so is everything after it.
+  auto nul = convert_config_to_fsdp2("fsdp_config:\n  fsdp_activation_checkpointing: \"a\\0b\"\n", "nul.yaml");
+  const auto reread = parse_accelerate_config(nul.yaml, "nul converted");
+  EXPECT_EQ(reread.fsdp_config.at("fsdp_version"), "2") << nul.yaml;
+  EXPECT_EQ(reread.fsdp_config.at("fsdp_activation_checkpointing"), std::string("a\0b", 3)) << nul.yaml;
 }
 
 }  // namespace
