@@ -31,6 +31,7 @@ int main(int argc, char** argv) {
       fsdp::cli::add_config_command(app),
       fsdp::cli::add_to_fsdp2_command(app),
       fsdp::cli::add_merge_command(app),
+      fsdp::cli::add_estimate_command(app),
   };
   try {
     app.parse(argc, argv);

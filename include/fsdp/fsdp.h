@@ -11,6 +11,7 @@
 #include <fsdp/distributed_environment.h>
 #include <fsdp/fsdp2_prepare.h>
 #include <fsdp/fully_shard.h>
+#include <fsdp/memory_estimate.h>
 #include <fsdp/meta_device.h>
 #include <fsdp/host_memory.h>
 #include <fsdp/merge.h>

@@ -16,7 +16,7 @@ using Kind = PickleValue::Kind;
 
 constexpr int64_t kMaxFileBytes = int64_t{64} << 20;
 
-const std::set<std::string>& allowed_globals() {
+const std::set<std::string>& accelerate_state_globals() {
   static const std::set<std::string> names = {
       kPersistentLoad, "torch._utils._rebuild_tensor_v2", "torch.ByteStorage", "collections.OrderedDict",
       // NumPy's generator state and the bytes inside it: named, never built.
@@ -51,7 +51,7 @@ AccelerateRandomStates read_accelerate_random_states(const std::string& path) {
   } catch (const c10::Error& failure) {
     TORCH_CHECK(false, "'", path, "' is not a torch.save archive: ", failure.what_without_backtrace());
   }
-  const auto document = restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size, allowed_globals(), path);
+  const auto document = restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size, accelerate_state_globals(), path);
   const auto& root = *document.root;
   TORCH_CHECK(root.kind == Kind::kDict, "'", path, "' holds a ", root.describe(), ", expected Accelerate's dict of states");
   AccelerateRandomStates states;

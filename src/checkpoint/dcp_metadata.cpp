@@ -39,7 +39,7 @@ const std::vector<std::pair<const char*, c10::ScalarType>>& dtype_globals() {
 
 // What DCP's .metadata references, across the torch versions that write it (older ones import
 // TensorProperties and the memory-format enum from the sharded-tensor package).
-const std::set<std::string>& allowed_globals() {
+const std::set<std::string>& dcp_metadata_globals() {
   static const std::set<std::string> names = [] {
     std::set<std::string> result;
     for (const char* name : {"Metadata", "TensorStorageMetadata", "ChunkStorageMetadata", "BytesStorageMetadata",
@@ -340,7 +340,7 @@ class Interpreter {
 }  // namespace
 
 DcpMetadata parse_dcp_metadata(const uint8_t* data, size_t size, const std::string& source) {
-  const auto document = restricted_unpickle(data, size, allowed_globals(), source);
+  const auto document = restricted_unpickle(data, size, dcp_metadata_globals(), source);
   return Interpreter(source, size + 1024).run(*document.root);
 }
 

@@ -22,5 +22,6 @@ Command add_env_command(CLI::App& parent);
 Command add_config_command(CLI::App& parent);
 Command add_to_fsdp2_command(CLI::App& parent);
 Command add_merge_command(CLI::App& parent);
+Command add_estimate_command(CLI::App& parent);
 
 }  // namespace fsdp::cli

@@ -172,7 +172,36 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
     config.max_position_embeddings = 1024;
     return config;
   }
-  TORCH_CHECK(false, "unknown model preset '", name, "'; choose tiny, small or medium");
+  if (name == "large") {
+    // The largest shape whose FULL_SHARD training state (16 bytes a parameter) fits four CPU ranks
+    // in about 12 GB: 0.54 B parameters (bench/README.md, "A model that does not fit one process").
+    config.vocab_size = 32000;
+    config.hidden_size = 1536;
+    config.intermediate_size = 4096;
+    config.num_hidden_layers = 18;
+    config.num_attention_heads = 16;
+    config.num_key_value_heads = 4;
+    config.max_position_embeddings = 2048;
+    config.tie_word_embeddings = false;
+    return config;
+  }
+  // Meta's Llama 3 shapes (without Llama 3.1's rope scaling), for `fsdp estimate-memory`.
+  auto llama3 = [&](int64_t hidden, int64_t intermediate, int64_t layers, int64_t heads, bool tied) {
+    config.vocab_size = 128256;
+    config.hidden_size = hidden;
+    config.intermediate_size = intermediate;
+    config.num_hidden_layers = layers;
+    config.num_attention_heads = heads;
+    config.num_key_value_heads = 8;
+    config.max_position_embeddings = 8192;
+    config.rope_theta = 500000.0;
+    config.tie_word_embeddings = tied;
+    return config;
+  };
+  if (name == "llama3-1b") return llama3(2048, 8192, 16, 32, true);
+  if (name == "llama3-8b") return llama3(4096, 14336, 32, 32, false);
+  if (name == "llama3-70b") return llama3(8192, 28672, 80, 64, false);
+  TORCH_CHECK(false, "unknown model preset '", name, "'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b");
 }
 
 LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps)

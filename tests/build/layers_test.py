@@ -24,7 +24,7 @@ PUBLIC_HEADERS = {
     "version.h": "base", "shard_layout.h": "base", "safetensors.h": "base", "torch_file.h": "base",
     "host_memory.h": "base", "device.h": "base",
     "distributed_environment.h": "dist", "process_group.h": "dist", "collectives.h": "dist",
-    "sharding_options.h": "engine", "fully_shard.h": "engine", "meta_device.h": "engine", "activation_checkpointing.h": "engine",
+    "sharding_options.h": "engine", "fully_shard.h": "engine", "meta_device.h": "engine", "memory_estimate.h": "engine", "activation_checkpointing.h": "engine",
     "auto_wrap.h": "engine", "clip_grad_norm.h": "engine", "sharded_grad_scaler.h": "engine", "pretrained_model.h": "engine",
     "state_dict_options.h": "checkpoint", "state_dict.h": "checkpoint", "sharded_checkpoint.h": "checkpoint", "dcp.h": "checkpoint",
     "checkpoint.h": "checkpoint", "pretrained_weights.h": "checkpoint",

@@ -36,7 +36,9 @@ struct LlamaConfig {
   std::string to_json() const;
   /// Parses config.json text; `source` names the file in errors.
   static LlamaConfig from_json(const std::string& text, const std::string& source);
-  /// Named sizes: "tiny" (default, trains visibly in minutes on 2 CPU ranks), "small", "medium".
+  /// Named sizes: "tiny" (default, trains visibly in minutes on 2 CPU ranks), "small", "medium",
+  /// "large" (0.54 B parameters: trains on four CPU ranks, never whole in one), and Meta's shapes
+  /// "llama3-1b", "llama3-8b", "llama3-70b" (for estimates; their rope scaling is not modelled).
   static LlamaConfig preset(const std::string& name);
 };
 
