@@ -159,6 +159,22 @@ TEST_F(TrainLlama, ResumesFromAnAccelerateCheckpointWithPyTorchsLosses) {
 // Ranks started with other flags or other data (issue Reliability: another --seed trained to the end
 // with a wrong result and exit 0; a data file of another size waited for the collective timeout)
 // stop at once with one error naming each difference and each rank's value.
+// --meta-init (always on for --preset large): every rank builds the model on the meta device and
+// fully_shard initializes one unit at a time; the run trains as the default one does.
+TEST_F(TrainLlama, MetaInitBuildsOnTheMetaDeviceOnEveryRankAndTrains) {
+  const auto directory = (root_ / "meta").string();
+  auto result = run_command(train_command(2, directory, "--meta-init"));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto metrics = metrics_of(directory);
+  ASSERT_EQ(metrics.size(), 6u);
+  EXPECT_LT(metrics.back()["loss"].get<double>(), metrics.front()["loss"].get<double>()) << "it must learn";
+  // The same seed gives the same initial model on every run: meta initialization is reproducible.
+  const auto again = (root_ / "meta_again").string();
+  result = run_command(train_command(2, again, "--meta-init --stop-after 1"));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(metrics_of(again).at(0)["loss"].get<double>(), metrics.front()["loss"].get<double>());
+}
+
 TEST_F(TrainLlama, RanksStartedWithOtherFlagsOrDataAreANamedError) {
   {
     std::ofstream other(root_ / "other.txt");

@@ -57,6 +57,7 @@ struct Settings {
   std::string data;
   std::string eval_data;
   bool eval_only = false;
+  bool meta_init = false;
   int64_t stop_after = 0;
   int64_t sample_bytes = 300;
   bool skip_nonfinite_steps = false;
@@ -178,7 +179,15 @@ CLI::Validator non_negative_value() { return numeric_check(true); }
 /// The model to train or evaluate. With weights to load (`from_weights`), only rank 0 reads them; the
 /// other ranks build the model on the meta device, allocating nothing, and receive their shards from
 /// rank 0 (cpu_ram_efficient_loading), as transformers' non-main processes do under Accelerate.
-LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, const fsdp::DistributedContext& context) {
+/// With `meta_init` (and no weights) every rank builds it on the meta device and fully_shard gives
+/// each unit its initial values one unit at a time (Note [building on the meta device]): no rank
+/// ever holds the whole model.
+LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, bool meta_init,
+                             const fsdp::DistributedContext& context) {
+  if (meta_init && !from_weights) {
+    fsdp::MetaDeviceGuard meta;
+    return LlamaForCausalLM(config);
+  }
   if (!from_weights || context.rank() == 0) return LlamaForCausalLM(config);
   fsdp::MetaDeviceGuard meta;
   return LlamaForCausalLM(config);
@@ -273,7 +282,7 @@ int evaluate_only(const Settings& settings, const fsdp::DistributedContext& cont
   const auto config = LlamaConfig::from_json(read_text((fs::path(settings.init_from) / "config.json").string()),
                                              (fs::path(settings.init_from) / "config.json").string());
   torch::manual_seed(settings.seed);
-  auto model = build_model(config, /*from_weights=*/true, context);
+  auto model = build_model(config, /*from_weights=*/true, /*meta_init=*/false, context);
   load_weights_on_rank0(model, settings.init_from, context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
@@ -339,7 +348,9 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   const auto eval_tokens = train_llama::bytes_to_tokens(eval_text);
 
   torch::manual_seed(settings.seed);
-  auto model = build_model(config, /*from_weights=*/!settings.init_from.empty(), context);
+  // The large shapes never exist whole in one process.
+  const bool meta_init = settings.meta_init || settings.preset == "large" || settings.preset.rfind("llama3-", 0) == 0;
+  auto model = build_model(config, /*from_weights=*/!settings.init_from.empty(), meta_init, context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
   if (!settings.init_from.empty()) {
@@ -476,7 +487,11 @@ int main(int argc, char** argv) {
   CLI::App app{"train_llama: train a Llama-architecture byte-level language model with FSDP.\n"
                "Run it under `fsdp launch --nproc-per-node N --`; FSDP settings come from FSDP_* variables or "
                "`fsdp launch --config-file`."};
-  app.add_option("--preset", settings.preset, "Model size: tiny, small or medium")->capture_default_str();
+  app.add_option("--preset", settings.preset, "Model size: tiny, small, medium or large (0.54 B parameters, built on the "
+                 "meta device)")->capture_default_str();
+  app.add_flag("--meta-init", settings.meta_init,
+               "Build the model on the meta device on every rank; fully_shard initializes one unit at a time (always on "
+               "for --preset large)");
   app.add_option("--steps", settings.steps, "Optimizer steps")->check(positive_value())->capture_default_str();
   app.add_option("--seed", settings.seed, "Seed of weights, data order and sampling")->capture_default_str();
   app.add_option("--global-batch-size", settings.global_batch_size, "Sequences per optimizer step, all ranks together")
