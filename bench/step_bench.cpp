@@ -10,6 +10,16 @@
 //
 //   fsdp launch --nproc-per-node 2 -- build/bin/step_bench --strategy FULL_SHARD [--model mlp|llama]
 //       [--prefetch on|off]
+//
+// For the large model (bench/large_model.sh): `--heads`, `--kv-heads` and `--untied 1` shape the
+// Llama, `--meta-init 1` builds it on the meta device (fully_shard initializes one unit at a time),
+// `--checkpoint DIR` saves a SHARDED checkpoint (model and AdamW state) after the steps and loads it
+// back, timed against `cp -r` + `sync` and a parallel read of the same files (one JSON line
+// "checkpoint"), and `--resume-from DIR` loads one before the steps (any world size; one JSON line
+// "resume"), and `--init-from HF_DIR` loads a Hugging Face directory into the sharded model before
+// the steps, rank 0 streaming one tensor at a time (one JSON line "init_from": time, each rank's
+// peak RSS growth and bytes read from storage). Loads and reads start with the files evicted from
+// the page cache (posix_fadvise), so they come from the disk.
 #include <fsdp/fsdp.h>
 #include <fsdp/models/llama.h>
 
@@ -18,11 +28,15 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <unordered_set>
 #include <iostream>
+#include <sstream>
+#include <fcntl.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 namespace {
 
@@ -77,6 +91,67 @@ std::string link_interface() {
 
 int64_t bytes_of(const torch::Tensor& tensor) { return tensor.defined() ? tensor.numel() * tensor.element_size() : 0; }
 
+/// A /proc/self/status field in kB (VmRSS, VmHWM), in MB; -1 where it cannot be read.
+double status_mb(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
+  }
+  return -1;
+}
+
+/// Resets VmHWM to the current RSS (Linux's clear_refs "5"), so that the next reading is the peak of
+/// what follows; false where the kernel refuses.
+bool reset_peak_rss() {
+  std::ofstream clear("/proc/self/clear_refs");
+  clear << "5";
+  clear.flush();
+  return static_cast<bool>(clear);
+}
+
+/// Bytes this process has read from storage (/proc/self/io read_bytes); -1 where unreadable.
+double storage_read_bytes() {
+  std::ifstream io("/proc/self/io");
+  std::string line;
+  while (std::getline(io, line)) {
+    if (line.rfind("read_bytes:", 0) == 0) return std::stod(line.substr(11));
+  }
+  return -1;
+}
+
+/// Evicts the files under `directory` from the page cache (posix_fadvise DONTNEED after fsync), so
+/// that the next read of them comes from the disk while the program's own code stays cached. False
+/// where a file refused.
+bool evict_from_page_cache(const std::string& directory) {
+  bool all = true;
+  for (const auto& item : std::filesystem::recursive_directory_iterator(directory)) {
+    if (!item.is_regular_file()) continue;
+    const int fd = ::open(item.path().c_str(), O_RDONLY);
+    if (fd < 0) {
+      all = false;
+      continue;
+    }
+    all = ::fsync(fd) == 0 && ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED) == 0 && all;
+    ::close(fd);
+  }
+  return all;
+}
+
+double seconds_of(const std::function<void()>& body) {
+  const auto start = std::chrono::steady_clock::now();
+  body();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+int64_t directory_bytes(const std::string& directory) {
+  int64_t bytes = 0;
+  for (const auto& item : std::filesystem::recursive_directory_iterator(directory)) {
+    if (item.is_regular_file()) bytes += static_cast<int64_t>(item.file_size());
+  }
+  return bytes;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -88,6 +163,8 @@ int main(int argc, char** argv) {
   // smaller group]); 0: the strategy's choice.
   int64_t reshard_group = 0;
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
+  int64_t heads = 8, kv_heads = 4, untied = 0, meta_init = 0;
+  std::string checkpoint_dir, resume_from, init_from;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
     if (flag == "--strategy") strategy = value;
@@ -102,10 +179,18 @@ int main(int argc, char** argv) {
     else if (flag == "--vocab") vocab = std::stoll(value);
     else if (flag == "--host-memory") host_memory = value;
     else if (flag == "--reshard-after-forward") reshard_group = std::stoll(value);
+    else if (flag == "--heads") heads = std::stoll(value);
+    else if (flag == "--kv-heads") kv_heads = std::stoll(value);
+    else if (flag == "--untied") untied = std::stoll(value);
+    else if (flag == "--meta-init") meta_init = std::stoll(value);
+    else if (flag == "--checkpoint") checkpoint_dir = value;
+    else if (flag == "--resume-from") resume_from = value;
+    else if (flag == "--init-from") init_from = value;
     else {
       std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
                    "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
-                   "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K]\n";
+                   "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K] [--heads H] "
+                   "[--kv-heads K] [--untied 0|1] [--meta-init 0|1] [--checkpoint DIR] [--resume-from DIR] [--init-from HF_DIR]\n";
       return 2;
     }
   }
@@ -122,6 +207,7 @@ int main(int argc, char** argv) {
     const int64_t world = single ? 1 : context.world_size();
     torch::manual_seed(0);
     std::shared_ptr<torch::nn::Module> model;
+    std::function<void(torch::nn::Module&)> param_init;
     std::vector<std::shared_ptr<torch::nn::Module>> units;
     std::function<torch::Tensor(const torch::Tensor&)> loss_of;
     torch::Tensor input;
@@ -137,9 +223,22 @@ int main(int argc, char** argv) {
       config.hidden_size = width;
       config.intermediate_size = hidden;
       config.num_hidden_layers = blocks;
-      config.num_attention_heads = 8;
-      config.num_key_value_heads = 4;
-      fsdp::models::LlamaForCausalLM llama(config);
+      config.num_attention_heads = heads;
+      config.num_key_value_heads = kv_heads;
+      config.tie_word_embeddings = untied == 0;
+      fsdp::models::LlamaForCausalLM llama(nullptr);
+      if (meta_init != 0) {
+        fsdp::MetaDeviceGuard meta;
+        llama = fsdp::models::LlamaForCausalLM(config);
+      } else {
+        llama = fsdp::models::LlamaForCausalLM(config);
+      }
+      // A meta-built model gets its values unit by unit, as the constructor would give them.
+      if (meta_init != 0) {
+        param_init = [impl = llama.ptr()](torch::nn::Module& module) {
+          TORCH_CHECK(impl->init_weights(module) || fsdp::reset_parameters(module), "no initializer for ", module.name());
+        };
+      }
       for (auto& layer : llama->model->decoder_layers) units.push_back(layer.ptr());
       model = llama.ptr();
       input = torch::randint(0, vocab, {batch / world, length + 1});
@@ -172,6 +271,7 @@ int main(int argc, char** argv) {
       fsdp::FullyShardOptions options;
       options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
       options.forward_prefetch = prefetch == "on";
+      if (param_init) options.param_init_fn = param_init;
       if (prefetch != "on") options.backward_prefetch.reset();
       auto block_options = options;
       if (reshard_group > 0) block_options.reshard_after_forward = reshard_group;
@@ -186,6 +286,60 @@ int main(int argc, char** argv) {
       working_set_peak = std::max(working_set_peak, held);
     };
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
+    // Every rank's figure, gathered on rank 0 by a sum of one-hot rows.
+    auto per_rank = [&](double value) {
+      auto row = torch::zeros({context.world_size()}, torch::kDouble);
+      row[context.rank()] = value;
+      fsdp::all_reduce(context.world(), row);
+      std::ostringstream text;
+      text << "[";
+      for (int64_t rank = 0; rank < context.world_size(); ++rank) text << (rank ? ", " : "") << row[rank].item<double>();
+      text << "]";
+      return text.str();
+    };
+    if (!init_from.empty()) {
+      // A pretrained model of this shape: only rank 0 reads the files.
+      TORCH_CHECK(!single, "--init-from needs a sharded run, not SINGLE");
+      bool cold = context.rank() == 0 && evict_from_page_cache(init_from);
+      fsdp::barrier(context.world());
+      reset_peak_rss();
+      const double before = status_mb("VmRSS"), read_before = storage_read_bytes();
+      const double load = seconds_of([&] {
+        fsdp::load_pretrained_weights(*model, context, init_from);
+        fsdp::barrier(context.world());
+      });
+      const std::string peaks = per_rank(status_mb("VmHWM") - before);
+      const std::string reads = per_rank((storage_read_bytes() - read_before) / 1e6);
+      int64_t largest = 0;
+      for (const auto& parameter : model->parameters()) largest = std::max<int64_t>(largest, parameter.numel());
+      if (context.rank() == 0) {
+        std::printf("{\"benchmark\": \"init_from\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+                    "\"bytes\": %lld, \"load_s\": %.3f, \"page_cache\": \"%s\", \"peak_rss_delta_mb\": %s, "
+                    "\"storage_read_mb\": %s, \"largest_shard_elements\": %lld}\n",
+                    static_cast<long long>(world), static_cast<long long>(parameters),
+                    static_cast<long long>(directory_bytes(init_from)), load, cold ? "cold" : "warm", peaks.c_str(),
+                    reads.c_str(), static_cast<long long>(largest));
+        std::fflush(stdout);
+      }
+    }
+    if (!resume_from.empty()) {
+      // A checkpoint saved on any number of ranks, loaded here before the first step.
+      TORCH_CHECK(!single, "--resume-from needs a sharded run, not SINGLE");
+      reset_peak_rss();
+      const double before = status_mb("VmRSS");
+      const double load = seconds_of([&] {
+        fsdp::load_checkpoint(resume_from, *model, optimizer, context);
+        fsdp::barrier(context.world());
+      });
+      const std::string peaks = per_rank(status_mb("VmHWM") - before);
+      if (context.rank() == 0) {
+        std::printf("{\"benchmark\": \"resume\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+                    "\"bytes\": %lld, \"load_s\": %.3f, \"load_peak_rss_delta_mb\": %s}\n",
+                    static_cast<long long>(world), static_cast<long long>(parameters),
+                    static_cast<long long>(directory_bytes(resume_from)), load, peaks.c_str());
+        std::fflush(stdout);
+      }
+    }
     // HYBRID_SHARD talks over the machine's group and the cross-machine group, the others over the world.
     // hpZ's backward all-gathers run over its post-forward group.
     const fsdp::ProcessGroup* post_forward =
@@ -212,7 +366,7 @@ int main(int argc, char** argv) {
         }
       }
     };
-    std::vector<double> times;
+    std::vector<double> times, losses;
     // Rendezvous, the model and every fully_shard (with its agreement) are done by here.
     const auto setup_done = std::chrono::steady_clock::now();
     auto first_step_done = main_started;
@@ -228,7 +382,9 @@ int main(int argc, char** argv) {
         if (!link.empty()) link_before = interface_bytes(link);
       }
       const auto start = std::chrono::steady_clock::now();
-      loss_of(input).backward();
+      auto loss = loss_of(input);
+      losses.push_back(loss.item<double>());
+      loss.backward();
       optimizer.step();
       if (step + 1 == steps + 2) measure_state();  // microseconds, in one step of which the median is taken
       optimizer.zero_grad();
@@ -304,6 +460,62 @@ int main(int argc, char** argv) {
                   static_cast<long long>(context.control().bytes_sent().total()), static_cast<long long>(reshard_group),
                   link.c_str(), static_cast<long long>(link_per_step), cross_host_theory,
                   static_cast<long long>(machine_ranks));
+    }
+    if (!checkpoint_dir.empty()) {
+      // SHARDED save of model and AdamW state (fsynced, as every file the library writes), then a
+      // load of it with its files evicted from the page cache, against cp -r + sync of the same
+      // files and a read of them (evicted again) by as many processes as there are ranks.
+      TORCH_CHECK(!single, "--checkpoint needs a sharded run, not SINGLE");
+      const std::string copy = checkpoint_dir + ".copy";
+      if (context.rank() == 0) {
+        std::filesystem::remove_all(checkpoint_dir);
+        std::filesystem::remove_all(copy);
+      }
+      fsdp::barrier(context.world());
+      reset_peak_rss();
+      double before = status_mb("VmRSS");
+      const double save = seconds_of([&] {
+        fsdp::TrainingProgress progress;
+        progress.step = steps + 2;
+        fsdp::save_checkpoint(checkpoint_dir, *model, optimizer, context, progress);
+        fsdp::barrier(context.world());
+      });
+      const std::string save_peaks = per_rank(status_mb("VmHWM") - before);
+      bool cold = context.rank() == 0 && evict_from_page_cache(checkpoint_dir);
+      fsdp::barrier(context.world());
+      reset_peak_rss();
+      before = status_mb("VmRSS");
+      const double load = seconds_of([&] {
+        fsdp::load_checkpoint(checkpoint_dir, *model, optimizer, context);
+        fsdp::barrier(context.world());
+      });
+      const std::string load_peaks = per_rank(status_mb("VmHWM") - before);
+      if (context.rank() == 0) {
+        const int64_t bytes = directory_bytes(checkpoint_dir);
+        const double cp = seconds_of([&] {
+          TORCH_CHECK(std::system(("cp -r " + checkpoint_dir + " " + copy + " && sync").c_str()) == 0, "cp failed");
+        });
+        std::filesystem::remove_all(copy);
+        cold = cold && evict_from_page_cache(checkpoint_dir);
+        const double read = seconds_of([&] {
+          TORCH_CHECK(std::system(("find " + checkpoint_dir + " -type f -print0 | xargs -0 -n 1 -P " +
+                                   std::to_string(world) + " cat > /dev/null").c_str()) == 0,
+                      "reading the checkpoint failed");
+        });
+        std::printf("{\"benchmark\": \"checkpoint\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+                    "\"bytes\": %lld, \"save_s\": %.3f, \"load_s\": %.3f, \"cp_sync_s\": %.3f, \"read_s\": %.3f, "
+                    "\"page_cache\": \"%s\", \"save_peak_rss_delta_mb\": %s, \"load_peak_rss_delta_mb\": %s, "
+                    "\"losses\": [",
+                    static_cast<long long>(world), static_cast<long long>(parameters), static_cast<long long>(bytes), save,
+                    load, cp, read, cold ? "cold" : "warm", save_peaks.c_str(), load_peaks.c_str());
+        for (size_t index = 0; index < losses.size(); ++index) std::printf("%s%.6f", index ? ", " : "", losses[index]);
+        std::printf("]}\n");
+      }
+      fsdp::barrier(context.world());
+    } else if (!resume_from.empty() && context.rank() == 0) {
+      std::printf("{\"benchmark\": \"resume_losses\", \"world_size\": %lld, \"losses\": [", static_cast<long long>(world));
+      for (size_t index = 0; index < losses.size(); ++index) std::printf("%s%.6f", index ? ", " : "", losses[index]);
+      std::printf("]}\n");
     }
   } catch (const c10::Error& error) {
     std::cerr << "step_bench: " << error.what_without_backtrace() << "\n";

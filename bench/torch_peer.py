@@ -94,17 +94,65 @@ class LlamaLayer(torch.nn.Module):
 
 
 class Llama(torch.nn.Module):
-    def __init__(self, vocab, width, hidden, layers):
+    def __init__(self, vocab, width, hidden, layers, heads=8, kv_heads=4, tied=True):
         super().__init__()
         self.embed_tokens = torch.nn.Embedding(vocab, width)
-        self.layers = torch.nn.ModuleList([LlamaLayer(width, hidden, 8, 4) for _ in range(layers)])
+        self.layers = torch.nn.ModuleList([LlamaLayer(width, hidden, heads, kv_heads) for _ in range(layers)])
         self.norm = RMSNorm(width)
+        self.lm_head = None if tied else torch.nn.Linear(width, vocab, bias=False)
 
     def forward(self, tokens):
         x = self.embed_tokens(tokens)
         for layer in self.layers:
             x = layer(x)
-        return torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)  # tied head
+        if self.lm_head is None:
+            return torch.nn.functional.linear(self.norm(x), self.embed_tokens.weight)  # tied head
+        return self.lm_head(self.norm(x))
+
+
+def checkpoint(model, optimizer, directory, world, rank, parameters):
+    """dcp.save of model and optimizer (FileSystemWriter fsyncs its files), then dcp.load of them
+    into the same model and optimizer with the files evicted from the page cache."""
+    import shutil
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    if rank == 0:
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
+    start = time.perf_counter()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory)
+    dist.barrier()
+    save = time.perf_counter() - start
+    # The files out of the page cache, as step_bench evicts its own (posix_fadvise after fsync).
+    cold = True
+    if rank == 0:
+        for root, _, names in os.walk(directory):
+            for name in names:
+                fd = os.open(os.path.join(root, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                except OSError:
+                    cold = False
+                finally:
+                    os.close(fd)
+    dist.barrier()
+    start = time.perf_counter()
+    model_state, optimizer_state = get_state_dict(model, optimizer)
+    state = {"model": model_state, "optim": optimizer_state}
+    dcp.load(state, checkpoint_id=directory)
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    dist.barrier()
+    load = time.perf_counter() - start
+    if rank == 0:
+        size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
+        print(json.dumps({"benchmark": "checkpoint", "peer": "pytorch-dcp", "world_size": world,
+                          "parameters": parameters, "bytes": size, "save_s": round(save, 3),
+                          "load_s": round(load, 3), "page_cache": "cold" if cold else "warm"}))
+        shutil.rmtree(directory, ignore_errors=True)
+    dist.barrier()
 
 
 def main():
@@ -120,6 +168,14 @@ def main():
     parser.add_argument("--peer", choices=["ddp", "fsdp2"], default="ddp")
     # FSDP2's int reshard_after_forward (hpZ) for the blocks; unset: True.
     parser.add_argument("--reshard-after-forward", type=int, default=None)
+    # The large model (bench/large_model.sh): its shape, built on the meta device and given values
+    # after fully_shard (PyTorch's recipe for a model that does not fit one process), and a timed
+    # dcp.save / dcp.load of model and optimizer after the steps.
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--kv-heads", type=int, default=4)
+    parser.add_argument("--untied", type=int, default=0)
+    parser.add_argument("--meta-init", type=int, default=0)
+    parser.add_argument("--checkpoint", default="")
     args = parser.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -132,7 +188,8 @@ def main():
         def loss_of(output):
             return output.pow(2).mean()
     else:
-        model = Llama(args.vocab, args.width, args.hidden, args.blocks)
+        with torch.device("meta" if args.meta_init else "cpu"):
+            model = Llama(args.vocab, args.width, args.hidden, args.blocks, args.heads, args.kv_heads, not args.untied)
         tokens = torch.randint(0, args.vocab, (args.batch // world, args.length + 1))
         x, targets = tokens[:, :-1], tokens[:, 1:]
 
@@ -140,11 +197,20 @@ def main():
             return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
     parameters = sum(p.numel() for p in model.parameters())
     if args.peer == "ddp":
+        assert not args.meta_init, "DDP holds the whole model on every rank: --meta-init is for fsdp2"
         model = torch.nn.parallel.DistributedDataParallel(model)
     else:
         for unit in (model if args.model == "mlp" else model.layers):
             fully_shard(unit, reshard_after_forward=args.reshard_after_forward or True)  # True: FULL_SHARD
         fully_shard(model)
+        if args.meta_init:
+            # Every rank allocates its shards only, then initializes them (transformers' normal(0,
+            # 0.02) for the projections and embeddings, ones for the norms).
+            model.to_empty(device="cpu")
+            with torch.no_grad():
+                for name, parameter in model.named_parameters():
+                    local = parameter.to_local()
+                    local.fill_(1.0) if "norm" in name else local.normal_(0.0, 0.02)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     state = 0
@@ -188,6 +254,8 @@ def main():
                           if link and link_before >= 0 and link_after >= 0 else -1,
                           "model_state_bytes_per_rank": state,
                           "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0, 1)}))
+    if args.checkpoint:
+        checkpoint(model, optimizer, args.checkpoint, world, rank, parameters)
     # PyTorch's Gloo sometimes aborts or stalls in its own teardown (tests/python/fsdp2_parity.py):
     # every rank is done and rank 0 has printed, so leave without tearing down.
     dist.barrier()

@@ -18,6 +18,7 @@
 #include <fsdp/torch_file.h>
 #include <fsdp/version.h>
 
+#include "checkpoint/state_dict_views.h"
 #include "checkpoint/accelerate_states.h"
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
@@ -310,7 +311,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
     case StateDictType::kShardedStateDict:
     case StateDictType::kLocalStateDict: {
       if (options.state_dict_type == StateDictType::kShardedStateDict) {
-        const auto model_entries = detail::model_dcp_entries(sharded_model_state_dict(model));
+        const auto model_entries = detail::model_dcp_entries(detail::sharded_model_state_dict_views(model));
         detail::write_dcp_directory(path_in(directory, kShardedModel), model_entries, {}, context, save_id);
         entries[kShardedModel] = model_entries.size();
       } else {
@@ -318,7 +319,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
         on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
       }
       entries[kShardedOptimizer] = write_sharded_optimizer(
-          path_in(directory, kShardedOptimizer), sharded_optimizer_state_dict(model, optimizer), context, save_id);
+          path_in(directory, kShardedOptimizer), detail::sharded_optimizer_state_dict_views(model, optimizer), context, save_id);
       break;
     }
   }

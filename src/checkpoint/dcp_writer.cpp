@@ -60,12 +60,16 @@ WrittenItem from_json(const nlohmann::json& value) {
   return item;
 }
 
-// A tensor whose storage is exactly its elements: DCP's loader reads the archive's storage as the chunk.
+// A tensor whose storage is exactly its elements: DCP's loader reads the archive's storage as the
+// chunk. A contiguous view into a larger storage (a shard inside its unit's buffer) becomes a tensor
+// over the same bytes with a storage of its own, not a copy: the caller's tensor outlives the write.
 at::Tensor compact(const at::Tensor& tensor) {
   auto result = tensor.contiguous();
   if (result.storage_offset() != 0 ||
       static_cast<int64_t>(result.storage().nbytes()) != result.numel() * static_cast<int64_t>(result.element_size())) {
-    result = result.clone();
+    TORCH_INTERNAL_ASSERT(result.is_same(tensor) || result.storage().is_alias_of(tensor.storage()),
+                          "compact: contiguous() of a view made a copy with a larger storage");
+    result = at::from_blob(result.data_ptr(), result.sizes(), result.options());
   }
   return result;
 }

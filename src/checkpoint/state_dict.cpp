@@ -15,6 +15,7 @@
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "checkpoint/optimizer_state.h"
+#include "checkpoint/state_dict_views.h"
 
 namespace fsdp {
 namespace {
@@ -212,24 +213,35 @@ TensorList full_model_state_dict(torch::nn::Module& model, const StateDictConfig
   return result;
 }
 
-ShardedTensorList sharded_model_state_dict(torch::nn::Module& model) {
+namespace {
+// A copy, or (views) the tensor itself, detached.
+at::Tensor taken(const at::Tensor& tensor, bool views) { return views ? tensor.detach() : tensor.detach().clone(); }
+
+ShardedTensorList sharded_model_state_dict(torch::nn::Module& model, bool views) {
   ShardedTensorList result;
   for (const auto& entry : model_tensors(model)) {
     ShardedTensor sharded;
     if (is_sharded(entry)) {
-      sharded.local = entry.owner->shard.sharded_data.detach().clone();
+      sharded.local = taken(entry.owner->shard.sharded_data, views);
       sharded.global_shape = entry.owner->shard.layout.unsharded_sizes;
       sharded.row_offset = entry.owner->shard.layout.row_offset;
       sharded.duplicate = is_replica_copy(entry);
     } else {
-      sharded.local = entry.owner ? entry.owner->shard.sharded_padded.view(entry.owner->shard.layout.unsharded_sizes).clone()
-                                    : entry.tensor.detach().clone();
+      sharded.local = entry.owner ? taken(entry.owner->shard.sharded_padded.view(entry.owner->shard.layout.unsharded_sizes), views)
+                                  : taken(entry.tensor, views);
       sharded.global_shape = sharded.local.sizes().vec();
       sharded.replicated = true;
     }
     result.emplace_back(entry.name, std::move(sharded));
   }
   return result;
+}
+}  // namespace
+
+ShardedTensorList sharded_model_state_dict(torch::nn::Module& model) { return sharded_model_state_dict(model, false); }
+
+ShardedTensorList detail::sharded_model_state_dict_views(torch::nn::Module& model) {
+  return sharded_model_state_dict(model, true);
 }
 
 TensorList local_model_state_dict(torch::nn::Module& model) {
@@ -379,7 +391,7 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
 namespace {
 
 OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                        const std::optional<StateDictConfig>& full_config) {
+                                        const std::optional<StateDictConfig>& full_config, bool views = false) {
   const auto tensors = model_tensors(model);
   const auto owners = by_impl(tensors);
   OptimizerStateDict result;
@@ -408,13 +420,13 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
             sharded.global_shape = layout.unsharded_sizes;
             sharded.replicated = true;
           } else {
-            sharded.local = value.detach().clone();
+            sharded.local = taken(value, views);
             sharded.global_shape = layout.unsharded_sizes;
             sharded.row_offset = layout.row_offset;
             sharded.duplicate = is_replica_copy(entry);
           }
         } else {
-          sharded.local = value.detach().clone();
+          sharded.local = taken(value, views);
           sharded.global_shape = value.sizes().vec();
           sharded.replicated = true;
         }
@@ -438,6 +450,10 @@ OptimizerStateDict full_optimizer_state_dict(torch::nn::Module& model, torch::op
 
 OptimizerStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
   return optimizer_state_dict(model, optimizer, std::nullopt);
+}
+
+OptimizerStateDict detail::sharded_optimizer_state_dict_views(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  return optimizer_state_dict(model, optimizer, std::nullopt, /*views=*/true);
 }
 
 namespace {

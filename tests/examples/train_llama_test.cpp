@@ -161,7 +161,7 @@ TEST_F(TrainLlama, ResumesFromAnAccelerateCheckpointWithPyTorchsLosses) {
 // stop at once with one error naming each difference and each rank's value.
 // --meta-init (always on for --preset large): every rank builds the model on the meta device and
 // fully_shard initializes one unit at a time; the run trains as the default one does.
-TEST_F(TrainLlama, MetaInitBuildsOnTheMetaDeviceOnEveryRankAndTrains) {
+TEST_F(TrainLlama, MetaInitBuildsOnTheMetaDeviceOnEveryRankTrainsAndStreamsPretrainedWeights) {
   const auto directory = (root_ / "meta").string();
   auto result = run_command(train_command(2, directory, "--meta-init"));
   ASSERT_EQ(result.exit_code, 0) << result.output;
@@ -173,6 +173,27 @@ TEST_F(TrainLlama, MetaInitBuildsOnTheMetaDeviceOnEveryRankAndTrains) {
   result = run_command(train_command(2, again, "--meta-init --stop-after 1"));
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_EQ(metrics_of(again).at(0)["loss"].get<double>(), metrics.front()["loss"].get<double>());
+
+  // --init-from with --meta-init: rank 0 streams the weights one tensor at a time into the sharded
+  // model; the first loss is the one the default path (rank 0 loads the whole model) gives.
+  const auto streamed = (root_ / "streamed").string(), whole = (root_ / "whole").string();
+  const std::string init = " --init-from " + directory + "/final --stop-after 1";
+  result = run_command(train_command(2, streamed, "--meta-init" + init));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  result = run_command(train_command(2, whole, init));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(metrics_of(streamed).at(0)["loss"].get<double>(), metrics_of(whole).at(0)["loss"].get<double>());
+  EXPECT_LT(metrics_of(streamed).at(0)["loss"].get<double>(), metrics.front()["loss"].get<double>()) << "trained weights";
+  // Weights of another shape than config.json says are named, not loaded.
+  fs::copy(directory + "/final", root_ / "other_shape");
+  nlohmann::json other;
+  std::ifstream(root_ / "other_shape" / "config.json") >> other;
+  other["intermediate_size"] = other["intermediate_size"].get<int64_t>() + 8;
+  std::ofstream(root_ / "other_shape" / "config.json") << other.dump();
+  result = run_command(train_command(2, (root_ / "other").string(),
+                                     "--meta-init --stop-after 1 --init-from " + (root_ / "other_shape").string()));
+  EXPECT_NE(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("mlp.gate_proj.weight"), std::string::npos) << result.output;
 }
 
 TEST_F(TrainLlama, RanksStartedWithOtherFlagsOrDataAreANamedError) {
@@ -247,7 +268,7 @@ TEST_F(TrainLlama, EachFlagOneRankHasOtherwiseIsNamed) {
 TEST_F(TrainLlama, BadFlagsAreErrors) {
   auto result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
   EXPECT_EQ(result.exit_code, 1);
-  EXPECT_NE(result.output.find("unknown model preset 'enormous'; choose tiny, small or medium"), std::string::npos)
+  EXPECT_NE(result.output.find("unknown model preset 'enormous'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b"), std::string::npos)
       << result.output;
   result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only");
   EXPECT_EQ(result.exit_code, 1);

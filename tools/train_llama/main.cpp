@@ -179,12 +179,12 @@ CLI::Validator non_negative_value() { return numeric_check(true); }
 /// The model to train or evaluate. With weights to load (`from_weights`), only rank 0 reads them; the
 /// other ranks build the model on the meta device, allocating nothing, and receive their shards from
 /// rank 0 (cpu_ram_efficient_loading), as transformers' non-main processes do under Accelerate.
-/// With `meta_init` (and no weights) every rank builds it on the meta device and fully_shard gives
-/// each unit its initial values one unit at a time (Note [building on the meta device]): no rank
-/// ever holds the whole model.
+/// With `meta_init` every rank builds it on the meta device: fully_shard gives each unit its initial
+/// values one unit at a time (Note [building on the meta device]), or, with weights, zeros that
+/// stream_pretrained_weights then fills: no rank ever holds the whole model.
 LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, bool meta_init,
                              const fsdp::DistributedContext& context) {
-  if (meta_init && !from_weights) {
+  if (meta_init) {
     fsdp::MetaDeviceGuard meta;
     return LlamaForCausalLM(config);
   }
@@ -205,6 +205,31 @@ void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory
   auto failed = torch::full({1}, error.empty() ? 0 : 1, torch::kLong);
   fsdp::broadcast(context.world(), failed, 0);
   TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
+}
+
+/// Fills the sharded model from a Hugging Face directory: rank 0 opens its files and sends one
+/// tensor at a time, every rank keeps its rows (fsdp::load_pretrained_weights); rank 0 holds one
+/// full tensor beyond its shards, the other ranks never open the files. Extra tensors in the files
+/// (an untied head for a tied config) are refused as load_weights_into refuses them.
+void stream_pretrained_weights(LlamaForCausalLM& model, const std::string& directory,
+                               const fsdp::DistributedContext& context) {
+  std::string error;
+  if (context.rank() == 0) {
+    try {
+      std::set<const c10::TensorImpl*> unique;
+      for (const auto& parameter : model->parameters()) unique.insert(parameter.unsafeGetTensorImpl());
+      const fsdp::SafetensorsCheckpointSource source(directory);
+      TORCH_CHECK(source.size() == unique.size(), "'", directory, "' has ", source.size(), " tensors but the model takes ",
+                  unique.size(), " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a "
+                  "checkpoint of this configuration");
+    } catch (const c10::Error& failure) {
+      error = failure.what_without_backtrace();
+    }
+  }
+  auto failed = torch::full({1}, error.empty() ? 0 : 1, torch::kLong);
+  fsdp::broadcast(context.world(), failed, 0);
+  TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
+  fsdp::load_pretrained_weights(*model, context, directory);
 }
 
 /// The settings a resumed run must share with the run that saved the checkpoint.
@@ -353,7 +378,11 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   auto model = build_model(config, /*from_weights=*/!settings.init_from.empty(), meta_init, context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
-  if (!settings.init_from.empty()) {
+  const bool stream_weights = meta_init && !settings.init_from.empty();
+  if (stream_weights) {
+    // The units stay zeros at fully_shard; the checkpoint gives them their values after it.
+    options.fsdp_plugin->param_init_fn = [](torch::nn::Module&) {};
+  } else if (!settings.init_from.empty()) {
     load_weights_on_rank0(model, settings.init_from, context);
     options.fsdp_plugin->cpu_ram_efficient_loading = true;
   }
@@ -364,6 +393,7 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   torch::optim::AdamW optimizer(unique_parameters(*model),
                                 torch::optim::AdamWOptions(settings.lr).betas({0.9, 0.95}).weight_decay(settings.weight_decay));
   accelerator.prepare(model, optimizer);
+  if (stream_weights) stream_pretrained_weights(model, settings.init_from, context);
 
   int64_t start_step = 0;
   double last_eval = std::nan("");
@@ -490,8 +520,8 @@ int main(int argc, char** argv) {
   app.add_option("--preset", settings.preset, "Model size: tiny, small, medium or large (0.54 B parameters, built on the "
                  "meta device)")->capture_default_str();
   app.add_flag("--meta-init", settings.meta_init,
-               "Build the model on the meta device on every rank; fully_shard initializes one unit at a time (always on "
-               "for --preset large)");
+               "Build the model on the meta device on every rank; fully_shard initializes one unit at a time, or, with "
+               "--init-from, rank 0 streams the weights one tensor at a time (always on for --preset large)");
   app.add_option("--steps", settings.steps, "Optimizer steps")->check(positive_value())->capture_default_str();
   app.add_option("--seed", settings.seed, "Seed of weights, data order and sampling")->capture_default_str();
   app.add_option("--global-batch-size", settings.global_batch_size, "Sequences per optimizer step, all ranks together")
