@@ -21,7 +21,7 @@
 //   on rank 0.
 // Activations depend on the model's forward and are not part of this estimate; the command adds a
 // Llama-specific estimate and labels it so. The figures are validated against the engine's counters
-// by tests/cli/estimate_memory_command_test.cpp.
+// by tests/cli/estimate_command_test.cpp.
 #pragma once
 
 #include <fsdp/sharding_options.h>
@@ -99,8 +99,9 @@ struct MemoryEstimateOptions {
   /// Forward and backward prefetch of one unit ahead. Default: true (FSDP2's implicit prefetch).
   bool prefetch = true;
 
-  /// Throws naming the field: world_size >= 1, ranks_per_machine dividing world_size, a group size
-  /// dividing the shard group, floating dtypes.
+  /// Throws naming the field: world_size >= 1, ranks_per_machine dividing world_size, no group size
+  /// with NO_SHARD, floating dtypes (a group size that does not divide the shard group is refused by
+  /// estimate_memory, which knows the group).
   void validate() const;
 };
 

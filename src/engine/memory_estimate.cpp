@@ -67,6 +67,9 @@ void MemoryEstimateOptions::validate() const {
   const int64_t machine = ranks_per_machine == 0 ? world_size : ranks_per_machine;
   TORCH_CHECK(machine >= 1 && world_size % machine == 0, "estimate-memory: ranks per machine must divide the ",
               world_size, " ranks, got ", ranks_per_machine);
+  TORCH_CHECK(sharding_strategy != ShardingStrategy::kNoShard || !reshard_after_forward || !reshard_after_forward->is_group_size(),
+              "estimate-memory: reshard_after_forward=", reshard_after_forward ? reshard_after_forward->to_string() : "",
+              " is a group to shard over after forward, and NO_SHARD shards nothing; give it without NO_SHARD");
   auto floating = [](c10::ScalarType dtype) { return c10::isFloatingType(dtype); };
   TORCH_CHECK(floating(storage_dtype), "estimate-memory: the storage dtype must be floating, got ", storage_dtype);
   TORCH_CHECK(!mixed_precision.param_dtype || floating(*mixed_precision.param_dtype),

@@ -93,6 +93,10 @@ TEST(MemoryEstimate, UnitShapesCountATiedWeightOnceAndWorkOnTheMetaDevice) {
   EXPECT_NE(error_message_of([&] { options.validate(); }).find("ranks per machine must divide the 6 ranks, got 4"),
             std::string::npos);
   options.ranks_per_machine = 0;
+  options.sharding_strategy = ShardingStrategy::kNoShard;
+  options.reshard_after_forward = 2;
+  EXPECT_NE(error_message_of([&] { options.validate(); }).find("NO_SHARD shards nothing"), std::string::npos);
+  options.sharding_strategy = ShardingStrategy::kFullShard;
   options.reshard_after_forward = 4;
   EXPECT_NE(error_message_of([&] { estimate_memory(shapes, options); }).find("4"), std::string::npos);
   EXPECT_NE(error_message_of([] { parse_optimizer_kind("lion", "--optimizer"); }).find("unknown optimizer 'lion'"),
