@@ -263,6 +263,13 @@ TEST_F(TrainLlama, EachFlagOneRankHasOtherwiseIsNamed) {
     EXPECT_NE(result.output.find(rank1 + " on rank 1"), std::string::npos) << flag << ": " << result.output;
     EXPECT_EQ(result.output.find("EnforceNotMet"), std::string::npos) << flag << ": " << result.output;
   }
+  // A flag without a value, given on one rank only.
+  const auto result = run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- sh -c '" +
+                                  "if [ \"$RANK\" = 1 ]; then extra=--meta-init; fi; exec " + FSDP_TRAIN_LLAMA_PATH +
+                                  " --output-dir " + (root_ / "flags").string() + " --data " + (root_ / "train.txt").string() +
+                                  " --steps 4 --eval-every 0 --sample-bytes 8 $extra'");
+  EXPECT_NE(result.output.find("the ranks disagree: '--meta-init' is false on rank 0 and true on rank 1"), std::string::npos)
+      << result.output;
 }
 
 TEST_F(TrainLlama, BadFlagsAreErrors) {

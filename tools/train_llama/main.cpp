@@ -111,6 +111,7 @@ std::vector<std::pair<std::string, std::string>> run_fields(const Settings& sett
           {"--total-limit", std::to_string(settings.total_limit)},
           {"--resume-from", settings.resume_from},
           {"--init-from", settings.init_from},
+          {"--meta-init", settings.meta_init ? "true" : "false"},
           {"--stop-after", std::to_string(settings.stop_after)},
           {"--sample-bytes", std::to_string(settings.sample_bytes)},
           {"--skip-nonfinite-steps", settings.skip_nonfinite_steps ? "true" : "false"}};
