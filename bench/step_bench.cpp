@@ -199,6 +199,11 @@ int main(int argc, char** argv) {
     std::cerr << "step_bench: --model takes mlp or llama, --prefetch on or off, --host-memory default or limit\n";
     return 2;
   }
+  // The Llama flags mean nothing to the MLP: refused by name rather than ignored.
+  if (model_kind == "mlp" && (meta_init != 0 || untied != 0 || !init_from.empty())) {
+    std::cerr << "step_bench: --meta-init, --untied and --init-from build a Llama; add --model llama\n";
+    return 2;
+  }
   try {
     // "limit": AcceleratorOptions::limit_retained_host_memory (host_memory.h); "default": malloc as is.
     if (host_memory == "limit") fsdp::limit_retained_host_memory();
@@ -285,7 +290,16 @@ int main(int argc, char** argv) {
       for (const auto& unit : fsdp_units) held += unit.unsharded_buffer_bytes();
       working_set_peak = std::max(working_set_peak, held);
     };
-    torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));
+    // Each parameter once, as PyTorch's model.parameters() gives them: libtorch lists a tied
+    // weight for every module holding it, and AdamW would then step it twice.
+    std::vector<torch::Tensor> optimized;
+    {
+      std::unordered_set<const void*> seen;
+      for (const auto& parameter : model->parameters()) {
+        if (seen.insert(parameter.unsafeGetTensorImpl()).second) optimized.push_back(parameter);
+      }
+    }
+    torch::optim::AdamW optimizer(optimized, torch::optim::AdamWOptions(1e-4));
     // Every rank's figure, gathered on rank 0 by a sum of one-hot rows.
     auto per_rank = [&](double value) {
       auto row = torch::zeros({context.world_size()}, torch::kDouble);
@@ -297,18 +311,27 @@ int main(int argc, char** argv) {
       text << "]";
       return text.str();
     };
+    // `work` on every rank, timed to the last rank's end, and each rank's peak RSS growth during it.
+    struct Timed {
+      double seconds;
+      std::string peak_rss_delta_mb;
+    };
+    auto timed = [&](const std::function<void()>& work) {
+      reset_peak_rss();
+      const double before = status_mb("VmRSS");
+      const double seconds = seconds_of([&] {
+        work();
+        fsdp::barrier(context.world());
+      });
+      return Timed{seconds, per_rank(status_mb("VmHWM") - before)};
+    };
     if (!init_from.empty()) {
       // A pretrained model of this shape: only rank 0 reads the files.
       TORCH_CHECK(!single, "--init-from needs a sharded run, not SINGLE");
       bool cold = context.rank() == 0 && evict_from_page_cache(init_from);
       fsdp::barrier(context.world());
-      reset_peak_rss();
-      const double before = status_mb("VmRSS"), read_before = storage_read_bytes();
-      const double load = seconds_of([&] {
-        fsdp::load_pretrained_weights(*model, context, init_from);
-        fsdp::barrier(context.world());
-      });
-      const std::string peaks = per_rank(status_mb("VmHWM") - before);
+      const double read_before = storage_read_bytes();
+      const auto load = timed([&] { fsdp::load_pretrained_weights(*model, context, init_from); });
       const std::string reads = per_rank((storage_read_bytes() - read_before) / 1e6);
       int64_t largest = 0;
       for (const auto& parameter : model->parameters()) largest = std::max<int64_t>(largest, parameter.numel());
@@ -317,7 +340,8 @@ int main(int argc, char** argv) {
                     "\"bytes\": %lld, \"load_s\": %.3f, \"page_cache\": \"%s\", \"peak_rss_delta_mb\": %s, "
                     "\"storage_read_mb\": %s, \"largest_shard_elements\": %lld}\n",
                     static_cast<long long>(world), static_cast<long long>(parameters),
-                    static_cast<long long>(directory_bytes(init_from)), load, cold ? "cold" : "warm", peaks.c_str(),
+                    static_cast<long long>(directory_bytes(init_from)), load.seconds, cold ? "cold" : "warm",
+                    load.peak_rss_delta_mb.c_str(),
                     reads.c_str(), static_cast<long long>(largest));
         std::fflush(stdout);
       }
@@ -325,18 +349,13 @@ int main(int argc, char** argv) {
     if (!resume_from.empty()) {
       // A checkpoint saved on any number of ranks, loaded here before the first step.
       TORCH_CHECK(!single, "--resume-from needs a sharded run, not SINGLE");
-      reset_peak_rss();
-      const double before = status_mb("VmRSS");
-      const double load = seconds_of([&] {
-        fsdp::load_checkpoint(resume_from, *model, optimizer, context);
-        fsdp::barrier(context.world());
-      });
-      const std::string peaks = per_rank(status_mb("VmHWM") - before);
+      const auto load = timed([&] { fsdp::load_checkpoint(resume_from, *model, optimizer, context); });
       if (context.rank() == 0) {
         std::printf("{\"benchmark\": \"resume\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
                     "\"bytes\": %lld, \"load_s\": %.3f, \"load_peak_rss_delta_mb\": %s}\n",
                     static_cast<long long>(world), static_cast<long long>(parameters),
-                    static_cast<long long>(directory_bytes(resume_from)), load, peaks.c_str());
+                    static_cast<long long>(directory_bytes(resume_from)), load.seconds,
+                    load.peak_rss_delta_mb.c_str());
         std::fflush(stdout);
       }
     }
@@ -472,24 +491,14 @@ int main(int argc, char** argv) {
         std::filesystem::remove_all(copy);
       }
       fsdp::barrier(context.world());
-      reset_peak_rss();
-      double before = status_mb("VmRSS");
-      const double save = seconds_of([&] {
+      const auto save = timed([&] {
         fsdp::TrainingProgress progress;
         progress.step = steps + 2;
         fsdp::save_checkpoint(checkpoint_dir, *model, optimizer, context, progress);
-        fsdp::barrier(context.world());
       });
-      const std::string save_peaks = per_rank(status_mb("VmHWM") - before);
       bool cold = context.rank() == 0 && evict_from_page_cache(checkpoint_dir);
       fsdp::barrier(context.world());
-      reset_peak_rss();
-      before = status_mb("VmRSS");
-      const double load = seconds_of([&] {
-        fsdp::load_checkpoint(checkpoint_dir, *model, optimizer, context);
-        fsdp::barrier(context.world());
-      });
-      const std::string load_peaks = per_rank(status_mb("VmHWM") - before);
+      const auto load = timed([&] { fsdp::load_checkpoint(checkpoint_dir, *model, optimizer, context); });
       if (context.rank() == 0) {
         const int64_t bytes = directory_bytes(checkpoint_dir);
         const double cp = seconds_of([&] {
@@ -506,8 +515,9 @@ int main(int argc, char** argv) {
                     "\"bytes\": %lld, \"save_s\": %.3f, \"load_s\": %.3f, \"cp_sync_s\": %.3f, \"read_s\": %.3f, "
                     "\"page_cache\": \"%s\", \"save_peak_rss_delta_mb\": %s, \"load_peak_rss_delta_mb\": %s, "
                     "\"losses\": [",
-                    static_cast<long long>(world), static_cast<long long>(parameters), static_cast<long long>(bytes), save,
-                    load, cp, read, cold ? "cold" : "warm", save_peaks.c_str(), load_peaks.c_str());
+                    static_cast<long long>(world), static_cast<long long>(parameters), static_cast<long long>(bytes),
+                    save.seconds, load.seconds, cp, read, cold ? "cold" : "warm", save.peak_rss_delta_mb.c_str(),
+                    load.peak_rss_delta_mb.c_str());
         for (size_t index = 0; index < losses.size(); ++index) std::printf("%s%.6f", index ? ", " : "", losses[index]);
         std::printf("]}\n");
       }

@@ -400,6 +400,7 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
   const auto units = fsdp_modules(model);
   const int64_t rank = units.empty() ? 0 : units.front().context().rank();
   const bool keep = !full_config || !full_config->rank0_only || rank == 0;
+  std::unordered_set<const c10::TensorImpl*> listed;
   for (auto& group : optimizer.param_groups()) {
     auto values = detail::options_json(result.optimizer, group.options());
     auto names = nlohmann::json::array();
@@ -408,6 +409,11 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
       TORCH_CHECK(owner != owners.end(), "optimizer state dict: the optimizer has a parameter of shape ",
                   shape_text(parameter.sizes()), " that is not a parameter of the model");
       const ModelTensor& entry = *owner->second;
+      // Its state would be saved twice, a checkpoint no loader takes; its step also ran twice.
+      TORCH_CHECK(listed.insert(parameter.unsafeGetTensorImpl()).second, "optimizer state dict: the optimizer holds '",
+                  entry.name, "' more than once (a tied weight taken from module->parameters(), which lists it once "
+                  "for each module that holds it?); each step updated it twice, and PyTorch warns about such an "
+                  "optimizer. Build the optimizer from each parameter once");
       names.push_back(entry.name);
       auto state = optimizer.state().find(optimizer_state_key(parameter));
       if (state == optimizer.state().end()) continue;

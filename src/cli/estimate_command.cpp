@@ -2,6 +2,7 @@
 // [estimating memory per rank], include/fsdp/memory_estimate.h). Accelerate's `accelerate
 // estimate-memory` answers for one process; this one divides by the ranks as the engine does.
 #include "cli/commands.h"
+#include "cli/human_bytes.h"
 
 #include <fsdp/memory_estimate.h>
 #include <fsdp/merge.h>
@@ -22,18 +23,6 @@ namespace fsdp::cli {
 namespace {
 
 namespace fs = std::filesystem;
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KB", "MB", "GB", "TB", "PB"};
-  int unit = 0;
-  while (bytes >= 1000 && unit < 5) {
-    bytes /= 1000;
-    ++unit;
-  }
-  char text[32];
-  std::snprintf(text, sizeof(text), unit == 0 ? "%.0f %s" : "%.2f %s", bytes, units[unit]);
-  return text;
-}
 
 /// config.json (a file, or a directory holding one) as a LlamaConfig. Fields that change what the
 /// model computes but not its shapes (rope scaling) do not change memory: they are dropped, and said.
@@ -213,7 +202,7 @@ int run_estimate(const EstimateSettings& settings) {
                 static_cast<long long>(estimate.shard_group_size), static_cast<long long>(estimate.replicate_group_size));
     std::printf("parameters stored fp32, compute %s, %s\n\n", settings.mixed_precision == "no" ? "fp32" : settings.mixed_precision.c_str(),
                 to_string(options.optimizer));
-    auto row = [](const std::string& what, int64_t bytes) { std::printf("  %-58s %12s\n", what.c_str(), human_bytes(bytes).c_str()); };
+    auto row = [](const std::string& what, int64_t bytes) { std::printf("  %-58s %12s\n", what.c_str(), human_bytes(bytes, 2).c_str()); };
     std::printf("per rank\n");
     row("parameters (this rank's shards)", estimate.parameter_bytes);
     row("gradients", estimate.gradient_bytes);
@@ -237,7 +226,7 @@ int run_estimate(const EstimateSettings& settings) {
     std::printf("libtorch itself and the allocator's slack are not included.\n");
     if (memory) {
       std::printf("%s: peak %s per rank, %s given (--memory-per-rank)\n", fits ? "fits" : "does not fit",
-                  human_bytes(peak_with).c_str(), human_bytes(*memory).c_str());
+                  human_bytes(peak_with, 2).c_str(), human_bytes(*memory, 2).c_str());
     }
   }
   return fits ? 0 : 3;

@@ -1,5 +1,6 @@
 // `fsdp merge-weights`: a sharded checkpoint directory into one model file (accelerate merge-weights).
 #include "cli/commands.h"
+#include "cli/human_bytes.h"
 
 #include <fsdp/distributed_environment.h>
 #include <fsdp/merge.h>
@@ -13,18 +14,6 @@
 
 namespace fsdp::cli {
 namespace {
-
-std::string human_bytes(double bytes) {
-  const char* units[] = {"B", "KB", "MB", "GB", "TB"};
-  int unit = 0;
-  while (bytes >= 1000 && unit < 4) {
-    bytes /= 1000;
-    ++unit;
-  }
-  char text[32];
-  std::snprintf(text, sizeof(text), "%.1f %s", bytes, units[unit]);
-  return text;
-}
 
 /// A one-line progress bar on a terminal (bytes, rate, ETA), redrawn at most five times a second.
 std::function<void(int64_t, int64_t)> terminal_progress() {
@@ -41,8 +30,8 @@ std::function<void(int64_t, int64_t)> terminal_progress() {
     const int width = 30;
     const int filled = total > 0 ? static_cast<int>(width * written / total) : width;
     std::fprintf(stderr, "\rmerging [%s%s] %s / %s  %s/s  ETA %.0f s   ", std::string(filled, '#').c_str(),
-                 std::string(width - filled, ' ').c_str(), human_bytes(written).c_str(), human_bytes(total).c_str(),
-                 human_bytes(rate).c_str(), eta);
+                 std::string(width - filled, ' ').c_str(), human_bytes(written, 1).c_str(), human_bytes(total, 1).c_str(),
+                 human_bytes(rate, 1).c_str(), eta);
     if (written >= total) std::fprintf(stderr, "\n");
     std::fflush(stderr);
   };
@@ -88,7 +77,7 @@ Command add_merge_command(CLI::App& parent) {
                                 : merge_fsdp_weights(*checkpoint_dir, *output_path, *options);
     if (environment.rank == 0) {
       for (const auto& file : result.files) std::cout << file << "\n";
-      std::cout << "merged " << result.tensors << " tensors, " << human_bytes(static_cast<double>(result.bytes))
+      std::cout << "merged " << result.tensors << " tensors, " << human_bytes(static_cast<double>(result.bytes), 1)
                 << (options->remove_checkpoint_dir ? "; removed " + *checkpoint_dir : std::string()) << std::endl;
     }
     return 0;

@@ -224,6 +224,24 @@ TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
   });
 }
 
+// libtorch's module->parameters() lists a tied weight once for each module holding it; an
+// optimizer built from that steps it twice and would save its state twice, a checkpoint no loader
+// takes ("chunks covering 2 of its 1 elements", found by step_bench). The save refuses it, naming
+// the weight, and writes no checkpoint.
+TEST(Checkpoint, AnOptimizerHoldingATiedWeightTwiceIsRefusedNamingIt) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [directory](const DistributedContext& context) {
+    Trainer trainer(context, 13);
+    ASSERT_GT(trainer.model->parameters().size(), unique_parameters(*trainer.model).size()) << "the model must be tied";
+    trainer.optimizer = std::make_unique<torch::optim::AdamW>(trainer.model->parameters(), adamw_options());
+    trainer.train(context, 0, 1);
+    const auto message = testing::error_message_of([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
+    EXPECT_NE(message.find("the optimizer holds 'embed_tokens.weight' more than once"), std::string::npos) << message;
+    EXPECT_NE(message.find("Build the optimizer from each parameter once"), std::string::npos) << message;
+    EXPECT_FALSE(is_complete_checkpoint(directory));
+  });
+}
+
 TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
   const auto directory = testing::shared_temporary_directory();
   testing::run_on_ranks(2, [directory](const DistributedContext& context) {

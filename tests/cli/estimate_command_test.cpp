@@ -1,6 +1,7 @@
 // `fsdp estimate-memory` against what the engine measures: step_bench's counters (model state per
 // rank from the tensors' storage, bytes sent from the process groups' counters) on 2 and 4 ranks,
-// for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and an integer reshard_after_forward; against the figures
+// for FULL_SHARD, SHARD_GRAD_OP, NO_SHARD and an integer reshard_after_forward, and the bytes of a
+// SHARDED checkpoint step_bench saves; against the figures
 // of Accelerate's own estimator on the same config.json; and its errors.
 #include <gtest/gtest.h>
 
@@ -48,6 +49,7 @@ class EstimateMemory : public ::testing::Test {
 };
 
 #ifdef FSDP_STEP_BENCH_PATH
+// step_bench's JSON lines by their "benchmark" name ("step", and "checkpoint" with --checkpoint).
 nlohmann::json measure(int ranks, const std::string& flags) {
   const auto result = run_command("timeout 240 " + std::string(FSDP_CLI_PATH) + " launch --nproc-per-node " +
                                   std::to_string(ranks) + " --master-port 0 -- " + FSDP_STEP_BENCH_PATH +
@@ -55,9 +57,13 @@ nlohmann::json measure(int ranks, const std::string& flags) {
                                   std::to_string(kHidden) + " --blocks " + std::to_string(kBlocks) + " --vocab " +
                                   std::to_string(kVocab) + " --batch 8 --length 8 --steps 1 " + flags);
   EXPECT_EQ(result.exit_code, 0) << result.output;
-  const auto line = result.output.find("{\"benchmark\"");
-  if (line == std::string::npos) return nlohmann::json::object();
-  return nlohmann::json::parse(result.output.substr(line, result.output.find('\n', line) - line));
+  auto lines = nlohmann::json::object();
+  for (auto line = result.output.find("{\"benchmark\""); line != std::string::npos;
+       line = result.output.find("{\"benchmark\"", line + 1)) {
+    const auto parsed = nlohmann::json::parse(result.output.substr(line, result.output.find('\n', line) - line));
+    lines[parsed["benchmark"].get<std::string>()] = parsed;
+  }
+  return lines;
 }
 #endif
 
@@ -72,8 +78,14 @@ TEST_F(EstimateMemory, ModelStateAndBytesSentMatchTheEnginesCountersOnTwoAndFour
   for (const Case& c : std::vector<Case>{{2, "FULL_SHARD", ""}, {2, "SHARD_GRAD_OP", ""}, {2, "NO_SHARD", ""},
                                           {4, "FULL_SHARD", ""}, {4, "FULL_SHARD", "2"}}) {
     SCOPED_TRACE(std::to_string(c.ranks) + " ranks, " + c.strategy + (c.reshard.empty() ? "" : ", reshard " + c.reshard));
-    const auto measured =
-        measure(c.ranks, "--strategy " + c.strategy + (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard));
+    // FULL_SHARD also saves a SHARDED checkpoint of model and AdamW state, whose size the estimate gives.
+    const bool save = c.strategy == "FULL_SHARD" && c.reshard.empty();
+    const auto checkpoint = root_ / ("checkpoint_" + std::to_string(c.ranks));
+    const auto lines =
+        measure(c.ranks, "--strategy " + c.strategy + (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard) +
+                             (save ? " --checkpoint " + checkpoint.string() : ""));
+    ASSERT_TRUE(lines.contains("step")) << lines.dump();
+    const auto& measured = lines["step"];
     ASSERT_TRUE(measured.contains("model_state_bytes_per_rank")) << measured.dump();
     const auto estimated = estimate("--wrap layers --num-processes " + std::to_string(c.ranks) + " --sharding-strategy " +
                                     c.strategy + (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard));
@@ -86,6 +98,14 @@ TEST_F(EstimateMemory, ModelStateAndBytesSentMatchTheEnginesCountersOnTwoAndFour
     EXPECT_EQ(estimated["model_state_bytes"].get<int64_t>(), measured["model_state_bytes_per_rank"].get<int64_t>());
     EXPECT_NEAR(estimated["bytes_sent_per_step"].get<double>() / sent, 1.0, 0.10) << estimated.dump() << measured.dump();
     EXPECT_NEAR(estimated["bytes_sent_per_step"].get<double>() / sent, 1.0, 0.01) << estimated.dump() << measured.dump();
+    if (save) {
+      ASSERT_TRUE(lines.contains("checkpoint")) << lines.dump();
+      // Every file of the directory (shards, .metadata, the progress file) against the estimate's
+      // tensor bytes: within 10% at this size, where the metadata is a larger part than at 0.5 B.
+      const double written = lines["checkpoint"]["bytes"].get<double>();
+      EXPECT_NEAR(estimated["sharded_checkpoint_bytes_per_rank"].get<double>() * c.ranks / written, 1.0, 0.10)
+          << estimated.dump() << lines["checkpoint"].dump();
+    }
   }
 #endif
 }
