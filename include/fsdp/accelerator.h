@@ -12,6 +12,7 @@
 #include <optional>
 #include <string>
 
+#include <fsdp/async_checkpoint.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
@@ -35,6 +36,16 @@ struct AcceleratorOptions {
   /// process instead of staying in malloc's heap, for about 10% more step time here (page faults).
   /// Process-wide. Default: false.
   bool limit_retained_host_memory = false;
+};
+
+/// How Accelerator::save_state saves.
+struct SaveStateOptions {
+  /// Write the files on a thread while training continues (AsyncCheckpointer, Note [asynchronous
+  /// checkpoints]): save_state returns once this rank's state is copied into its staging buffer, and
+  /// the checkpoint counts once finish_checkpoint() has finished it, which step() tries after each
+  /// optimizer step. SHARDED_STATE_DICT only (an error names the plugin's other type). fsdp.cpp's
+  /// own option: Accelerate 1.15's save_state has none (PyTorch's is dcp.async_save). Default: false.
+  bool async = false;
 };
 
 /// The checkpoint options the plugin describes: its state_dict_type and, for FULL saves, its
@@ -121,16 +132,36 @@ class Accelerator {
                   bool safe_serialization = true);
 
   /// save_state into <project_dir>/checkpoints/checkpoint_<i>, i counting up from the highest
-  /// existing one, pruning beyond total_limit. Returns the directory. Collective.
-  std::string save_state(const TrainingProgress& progress);
+  /// existing one, pruning beyond total_limit (complete checkpoints only count: an asynchronous
+  /// save's older ones are pruned when it finishes). Returns the directory. Collective.
+  std::string save_state(const TrainingProgress& progress, const SaveStateOptions& options = {});
   /// The newest complete automatic checkpoint, or "" when there is none.
   std::string latest_checkpoint() const;
+  /// How many times the launcher has restarted this job after a failure (TORCHELASTIC_RESTART_COUNT,
+  /// `fsdp launch --max-restarts`); 0 on the first start.
+  int64_t restart_count() const { return context_.environment().restart_count; }
+  /// On a restart (restart_count() above 0): load_state() of the latest complete automatic
+  /// checkpoint, as rank 0 finds it, and its progress; with none, the job starts from step 0 and
+  /// nothing is loaded (nullopt). Either way the main process prints one line saying which. On the
+  /// first start: nullopt, nothing read. Call it once after prepare(). Collective.
+  /// (Note [restarting a failed job], src/launch/launcher.cpp.)
+  std::optional<TrainingProgress> resume_after_restart();
 
   /// Saves the prepared model and optimizer with the plugin's state_dict_type, plus `progress`
   /// (Accelerate's save_state; layout in checkpoint.h). The optimizer passed to prepare must still
   /// exist. Collective.
-  void save_state(const std::string& directory, const TrainingProgress& progress = {});
-  /// Restores what save_state wrote and returns the progress. Collective.
+  /// With options.async, at most one save is in flight: a save started before the last one's files
+  /// are written waits for them first, and the main process says how long it waited.
+  void save_state(const std::string& directory, const TrainingProgress& progress = {},
+                  const SaveStateOptions& options = {});
+  /// Finishes an asynchronous save in flight (AsyncCheckpointer::finish): with `wait`, after this
+  /// rank's files are written; without, only if every rank's are (one all-reduce of one flag).
+  /// Returns whether none is in flight afterwards. A failed write is raised here on every rank. Call
+  /// it with `wait` before the program ends, or the last asynchronous checkpoint stays incomplete.
+  /// Collective; step() calls it without `wait`.
+  bool finish_checkpoint(bool wait = true);
+  /// Restores what save_state wrote and returns the progress (finishing an asynchronous save in
+  /// flight first). Collective.
   TrainingProgress load_state(const std::string& directory);
 
  private:
@@ -147,8 +178,13 @@ class Accelerator {
   bool sync_gradients_ = true;
   std::optional<ShardedGradScaler> scaler_;
   bool step_was_skipped_ = false;
+  /// Deletes automatic checkpoints beyond total_limit (main process), then waits for every rank.
+  void rotate_checkpoints();
   std::string project_dir_;
   int64_t total_limit_ = 0;
+  std::unique_ptr<AsyncCheckpointer> async_checkpointer_;
+  /// The asynchronous save in flight was an automatic one: rotate when it finishes.
+  bool rotate_after_finish_ = false;
 };
 
 }  // namespace fsdp

@@ -48,6 +48,13 @@ struct DistributedEnvironment {
   /// Default: true. Off, a divergence is a timeout naming the collective, never an exchange of
   /// another collective's bytes; it exists to measure the check's cost.
   bool check_collectives = true;
+  /// How many times the launcher has restarted the job's processes after a failure
+  /// (TORCHELASTIC_RESTART_COUNT, as torchrun exports it; `fsdp launch --max-restarts`). A program
+  /// that sees it above 0 resumes from its latest complete checkpoint (Accelerator::resume_after_restart).
+  /// Default: 0.
+  int64_t restart_count = 0;
+  /// The most restarts the launcher will make (TORCHELASTIC_MAX_RESTARTS). Default: 0.
+  int64_t max_restarts = 0;
 
   bool is_distributed() const { return world_size > 1; }
   int64_t num_nodes() const { return world_size / local_world_size; }

@@ -4,6 +4,7 @@
 #include <fsdp/accelerator.h>
 #include <fsdp/activation_checkpointing.h>
 #include <fsdp/auto_wrap.h>
+#include <fsdp/async_checkpoint.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>

@@ -4,9 +4,11 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <map>
+#include <sstream>
 #include <unordered_map>
 #include <unordered_set>
 
@@ -21,6 +23,7 @@
 #include <fsdp/torch_file.h>
 
 #include "dist/agreement.h"
+#include "dist/control_channel.h"
 #include "checkpoint/hf_shards.h"
 #include "config/text.h"
 #include "io/atomic_file.h"
@@ -162,18 +165,58 @@ CheckpointOptions checkpoint_options_from_plugin(const FullyShardedDataParallelP
   return options;
 }
 
-void Accelerator::save_state(const std::string& directory, const TrainingProgress& progress) {
+void Accelerator::save_state(const std::string& directory, const TrainingProgress& progress,
+                             const SaveStateOptions& options) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::save_state: prepare(model, optimizer) first");
   if (scaler_) {
     TORCH_WARN_ONCE("Accelerator::save_state: the fp16 gradient scaler's state (Accelerate's scaler.pt) is not saved "
                     "yet; a run resumed from this checkpoint starts again from the initial scale ",
                     scaler_->options().init_scale);
   }
-  save_checkpoint(directory, *model_, *optimizer_, context_, progress, checkpoint_options_from_plugin(plugin_));
+  const auto checkpoint_options = checkpoint_options_from_plugin(plugin_);
+  if (!options.async) {
+    finish_checkpoint(true);  // an asynchronous save before this one is finished first
+    save_checkpoint(directory, *model_, *optimizer_, context_, progress, checkpoint_options);
+    return;
+  }
+  TORCH_CHECK(checkpoint_options.state_dict_type == StateDictType::kShardedStateDict,
+              "Accelerator::save_state: an asynchronous save writes SHARDED_STATE_DICT checkpoints only, but the "
+              "plugin's state_dict_type is ", to_string(checkpoint_options.state_dict_type),
+              ". Set FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT (or the plugin's state_dict_type), or save without async");
+  if (!async_checkpointer_) async_checkpointer_ = std::make_unique<AsyncCheckpointer>();
+  // At most one in flight: the save before this one is finished first (and rotated, if it was an
+  // automatic one), waiting for its files when they are not all written yet.
+  double waited = 0;
+  if (async_checkpointer_->in_flight() && !finish_checkpoint(false)) {
+    const auto started = std::chrono::steady_clock::now();
+    finish_checkpoint(true);
+    waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  }
+  auto& writer = *async_checkpointer_;
+  writer.start(directory, *model_, *optimizer_, context_, progress);
+  rotate_after_finish_ = false;
+  std::ostringstream line;
+  line.setf(std::ios::fixed);
+  line.precision(2);
+  line << "asynchronous checkpoint " << directory << ": staged " << writer.staging_bytes() / 1048576.0
+       << " MiB of this rank's state in " << writer.staging_seconds() << " s; the files are written in the background";
+  if (waited > 0) line << " (waited " << waited << " s for the save before it to be written)";
+  print(line.str());
+}
+
+bool Accelerator::finish_checkpoint(bool wait) {
+  if (!async_checkpointer_ || !async_checkpointer_->in_flight()) return true;
+  if (!async_checkpointer_->finish(context_, wait)) return false;
+  if (rotate_after_finish_) {
+    rotate_after_finish_ = false;
+    rotate_checkpoints();
+  }
+  return true;
 }
 
 TrainingProgress Accelerator::load_state(const std::string& directory) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::load_state: prepare(model, optimizer) first");
+  finish_checkpoint(true);
   return load_checkpoint(directory, *model_, *optimizer_, context_, checkpoint_options_from_plugin(plugin_));
 }
 
@@ -234,13 +277,15 @@ double Accelerator::clip_grad_norm_(double max_norm, double norm_type) {
 bool Accelerator::step() {
   TORCH_CHECK(optimizer_, "Accelerator::step: prepare(model, optimizer) first");
   step_was_skipped_ = false;
+  bool stepped = true;
   if (!scaler_) {
     optimizer_->step();
-    return true;
+  } else {
+    stepped = scaler_->step(*optimizer_);
+    scaler_->update();
+    step_was_skipped_ = !stepped;
   }
-  const bool stepped = scaler_->step(*optimizer_);
-  scaler_->update();
-  step_was_skipped_ = !stepped;
+  finish_checkpoint(false);  // an asynchronous save counts as soon as every rank has written it
   return stepped;
 }
 
@@ -313,11 +358,20 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
   });
 }
 
-std::string Accelerator::save_state(const TrainingProgress& progress) {
+std::string Accelerator::save_state(const TrainingProgress& progress, const SaveStateOptions& options) {
   const auto existing = automatic_checkpoints(project_dir_);
   const int64_t number = existing.empty() ? 0 : existing.back().first + 1;
   const auto directory = (fs::path(project_dir_) / "checkpoints" / ("checkpoint_" + std::to_string(number))).string();
-  save_state(directory, progress);
+  save_state(directory, progress, options);
+  if (options.async) {
+    rotate_after_finish_ = true;
+    return directory;
+  }
+  rotate_checkpoints();
+  return directory;
+}
+
+void Accelerator::rotate_checkpoints() {
   if (is_main_process() && total_limit_ > 0) {
     // Keep the total_limit newest complete checkpoints. An incomplete one (a save that crashed) does
     // not count, so it never pushes out the last complete checkpoint before it; it goes only once it
@@ -335,7 +389,6 @@ std::string Accelerator::save_state(const TrainingProgress& progress) {
     }
   }
   wait_for_everyone();
-  return directory;
 }
 
 std::string Accelerator::latest_checkpoint() const {
@@ -344,6 +397,24 @@ std::string Accelerator::latest_checkpoint() const {
     if (is_complete_checkpoint(it->second.string())) return it->second.string();
   }
   return "";
+}
+
+std::optional<TrainingProgress> Accelerator::resume_after_restart() {
+  const int64_t restart = restart_count();
+  if (restart == 0) return std::nullopt;
+  // Rank 0's answer for every rank: a checkpoint one rank saw complete and another not yet would
+  // otherwise split the job between two starting steps.
+  const auto directory = detail::broadcast_string(context_, is_main_process() ? latest_checkpoint() : "", 0);
+  const auto round = "restart " + std::to_string(restart) + " of " +
+                     std::to_string(context_.environment().max_restarts) + ": ";
+  if (directory.empty()) {
+    print(round + "no complete checkpoint in " + (fs::path(project_dir_) / "checkpoints").string() +
+          "; starting from step 0");
+    return std::nullopt;
+  }
+  auto progress = load_state(directory);
+  print(round + "resumed from " + directory + " at step " + std::to_string(progress.step));
+  return progress;
 }
 
 }  // namespace fsdp

@@ -26,6 +26,7 @@
 #include "checkpoint/dcp_writer.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/save_identity.h"
+#include "checkpoint/sharded_save.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -274,9 +275,11 @@ bool is_complete_checkpoint(const std::string& directory) {
   return fs::exists(path_in(directory, kMarker)) || is_accelerate_checkpoint(directory);
 }
 
-void save_checkpoint(const std::string& directory, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                     const DistributedContext& context, const TrainingProgress& progress,
-                     const CheckpointOptions& options) {
+namespace {
+
+// What every save does before its files: the directory stops counting as a checkpoint, every rank
+// agrees on it and it exists. Returns the save's id, rank 0's (Note [save identity]).
+std::string begin_save(const std::string& directory, const DistributedContext& context) {
   const bool main = context.rank() == 0;
   // An overwritten directory counts as incomplete until this save has finished everywhere: neither
   // our marker nor Accelerate's random states (which make a directory one of Accelerate's complete
@@ -285,60 +288,105 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   if (main && random_states_from_accelerate(directory)) fs::remove(path_in(directory, random_states_file(0)));
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
   on_every_rank(context, [&] { fs::create_directories(directory); });
-  std::string model_file;
   // Note [save identity]: rank 0 chooses the id, and every rank's files record it.
-  const std::string save_id = detail::broadcast_string(context, main ? detail::new_save_id() : std::string(), 0);
-  nlohmann::json entries = nlohmann::json::object();
+  return detail::broadcast_string(context, main ? detail::new_save_id() : std::string(), 0);
+}
 
-  switch (options.state_dict_type) {
-    case StateDictType::kFullStateDict: {
-      auto model_state = full_model_state_dict(model, options.state_dict_config);
-      auto optimizer_state = full_optimizer_state_dict(model, optimizer, options.optim_state_dict_config);
-      model_file = options.full_model_safetensors ? kFullModelSafetensors : kFullModelBin;
-      on_every_rank(context, [&] {
-        if (!main) return;
-        // The other variant of an earlier save in this directory must not be mistaken for this one.
-        fs::remove(path_in(directory, options.full_model_safetensors ? kFullModelBin : kFullModelSafetensors));
-        if (options.full_model_safetensors) {
-          write_safetensors(path_in(directory, kFullModelSafetensors), model_state);
-        } else {
-          save_torch_file(path_in(directory, kFullModelBin), tensor_dict(model_state));
-        }
-        save_torch_file(path_in(directory, kFullOptimizer), optimizer_state_dict_to_ivalue(optimizer_state));
-      });
-      break;
-    }
-    case StateDictType::kShardedStateDict:
-    case StateDictType::kLocalStateDict: {
-      if (options.state_dict_type == StateDictType::kShardedStateDict) {
-        const auto model_entries = detail::model_dcp_entries(detail::sharded_model_state_dict_views(model));
-        detail::write_dcp_directory(path_in(directory, kShardedModel), model_entries, {}, context, save_id);
-        entries[kShardedModel] = model_entries.size();
-      } else {
-        const auto state = local_model_state_dict(model);
-        on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
-      }
-      entries[kShardedOptimizer] = write_sharded_optimizer(
-          path_in(directory, kShardedOptimizer), detail::sharded_optimizer_state_dict_views(model, optimizer), context, save_id);
-      break;
-    }
-  }
-  on_every_rank(context, [&] { save_progress(directory, context, progress, save_id); });
-  // The marker is written only once every rank has written everything.
+// The marker, written only once every rank has written everything.
+void write_marker(const std::string& directory, const DistributedContext& context, StateDictType type, int64_t step,
+                  const std::string& save_id, const nlohmann::json& entries, const std::string& model_file) {
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "') finished");
   nlohmann::json marker;
-  if (main) {
-    marker["state_dict_type"] = to_string(options.state_dict_type);
+  if (context.rank() == 0) {
+    marker["state_dict_type"] = to_string(type);
     marker["world_size"] = context.world_size();
-    marker["step"] = progress.step;
+    marker["step"] = step;
     marker["fsdp_cpp_version"] = version();
     marker["save_id"] = save_id;
     if (!entries.empty()) marker["entries"] = entries;
     if (!model_file.empty()) marker["model_file"] = model_file;
   }
   on_every_rank(context, [&] {
-    if (main) detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
+    if (context.rank() == 0) detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
   });
+}
+
+}  // namespace
+
+namespace detail {
+
+ShardedSave begin_sharded_save(const std::string& directory, torch::nn::Module& model,
+                               torch::optim::Optimizer& optimizer, const DistributedContext& context,
+                               const TrainingProgress& progress) {
+  ShardedSave save;
+  save.directory = directory;
+  save.save_id = begin_save(directory, context);
+  save.step = progress.step;
+  save.model = model_dcp_entries(sharded_model_state_dict_views(model));
+  optimizer_dcp_entries(sharded_optimizer_state_dict_views(model, optimizer), save.optimizer, save.optimizer_bytes);
+  prepare_dcp_directory(path_in(directory, kShardedModel), context);
+  prepare_dcp_directory(path_in(directory, kShardedOptimizer), context);
+  // The generator as it is now, when the state is taken, and the progress (a few bytes: written here).
+  on_every_rank(context, [&] { save_progress(directory, context, progress, save.save_id); });
+  return save;
+}
+
+std::array<std::string, 2> write_sharded_save_files(const ShardedSave& save, int64_t rank, int64_t world_size) {
+  return {write_dcp_rank_file(path_in(save.directory, kShardedModel), save.model, {}, rank, world_size, save.save_id),
+          write_dcp_rank_file(path_in(save.directory, kShardedOptimizer), save.optimizer, save.optimizer_bytes, rank,
+                              world_size, save.save_id)};
+}
+
+void finish_sharded_save(const ShardedSave& save, const std::array<std::string, 2>& reports,
+                         const DistributedContext& context) {
+  finish_dcp_directory(path_in(save.directory, kShardedModel), save.model, {}, context, save.save_id, reports[0]);
+  finish_dcp_directory(path_in(save.directory, kShardedOptimizer), save.optimizer, save.optimizer_bytes, context,
+                       save.save_id, reports[1]);
+  nlohmann::json entries = nlohmann::json::object();
+  entries[kShardedModel] = save.model.size();
+  entries[kShardedOptimizer] = save.optimizer.size() + save.optimizer_bytes.size();
+  write_marker(save.directory, context, StateDictType::kShardedStateDict, save.step, save.save_id, entries, "");
+}
+
+}  // namespace detail
+
+void save_checkpoint(const std::string& directory, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
+                     const DistributedContext& context, const TrainingProgress& progress,
+                     const CheckpointOptions& options) {
+  if (options.state_dict_type == StateDictType::kShardedStateDict) {
+    // The views of the live state are written as they are: nothing changes them meanwhile.
+    const auto save = detail::begin_sharded_save(directory, model, optimizer, context, progress);
+    detail::finish_sharded_save(save, detail::write_sharded_save_files(save, context.rank(), context.world_size()),
+                                context);
+    return;
+  }
+  const bool main = context.rank() == 0;
+  const std::string save_id = begin_save(directory, context);
+  std::string model_file;
+  nlohmann::json entries = nlohmann::json::object();
+  if (options.state_dict_type == StateDictType::kFullStateDict) {
+    auto model_state = full_model_state_dict(model, options.state_dict_config);
+    auto optimizer_state = full_optimizer_state_dict(model, optimizer, options.optim_state_dict_config);
+    model_file = options.full_model_safetensors ? kFullModelSafetensors : kFullModelBin;
+    on_every_rank(context, [&] {
+      if (!main) return;
+      // The other variant of an earlier save in this directory must not be mistaken for this one.
+      fs::remove(path_in(directory, options.full_model_safetensors ? kFullModelBin : kFullModelSafetensors));
+      if (options.full_model_safetensors) {
+        write_safetensors(path_in(directory, kFullModelSafetensors), model_state);
+      } else {
+        save_torch_file(path_in(directory, kFullModelBin), tensor_dict(model_state));
+      }
+      save_torch_file(path_in(directory, kFullOptimizer), optimizer_state_dict_to_ivalue(optimizer_state));
+    });
+  } else {
+    const auto state = local_model_state_dict(model);
+    on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
+    entries[kShardedOptimizer] = write_sharded_optimizer(
+        path_in(directory, kShardedOptimizer), detail::sharded_optimizer_state_dict_views(model, optimizer), context, save_id);
+  }
+  on_every_rank(context, [&] { save_progress(directory, context, progress, save_id); });
+  write_marker(directory, context, options.state_dict_type, progress.step, save_id, entries, model_file);
 }
 
 TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,

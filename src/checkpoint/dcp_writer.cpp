@@ -147,22 +147,20 @@ std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state) {
   return entries;
 }
 
-void write_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
-                         const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
-                         const std::string& save_id_on_rank0) {
-  const int64_t rank = context.rank();
-  // Every rank's file records rank 0's id (Note [save identity]).
-  const auto save_id = broadcast_string(context, rank == 0 ? save_id_on_rank0 : std::string(), 0);
-  TORCH_INTERNAL_ASSERT(!save_id.empty(), "writing DCP checkpoint '", directory, "': rank 0 gave no save id");
-  const auto metadata_path = (fs::path(directory) / ".metadata").string();
+void prepare_dcp_directory(const std::string& directory, const DistributedContext& context) {
   // An earlier checkpoint here stops being one before any of its files is replaced.
   run_on_every_rank(context, [&] {
     fs::create_directories(directory);
-    if (rank != 0) return;
-    fs::remove(metadata_path);
+    if (context.rank() != 0) return;
+    fs::remove(fs::path(directory) / ".metadata");
     fs::remove(fs::path(directory) / kShardedMetadataFile);
   });
+}
 
+std::string write_dcp_rank_file(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                                const std::vector<DcpByteEntry>& byte_items, int64_t rank, int64_t world_size,
+                                const std::string& save_id) {
+  TORCH_INTERNAL_ASSERT(!save_id.empty(), "writing DCP checkpoint '", directory, "': no save id");
   const auto file = distcp_file_name(rank);
   std::vector<WrittenItem> written;
   std::string report;
@@ -210,7 +208,7 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
         item.length = position - item.offset;
         written.push_back(std::move(item));
       }
-      const auto footer = identity_footer({save_id, rank, context.world_size()});
+      const auto footer = identity_footer({save_id, rank, world_size});
       sink(footer.data(), footer.size());
     });
     auto items = nlohmann::json::array();
@@ -219,6 +217,14 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
   } catch (const std::exception& error) {
     report = "ERROR:" + message_of(error);
   }
+  return report;
+}
+
+void finish_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                          const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
+                          const std::string& save_id, const std::string& report) {
+  const int64_t rank = context.rank();
+  const auto metadata_path = (fs::path(directory) / ".metadata").string();
   // Rank 0 learns every rank's items only after each has written its file, so the metadata never
   // describes a file that does not exist yet.
   const auto reports = all_gather_strings(context, report);
@@ -341,6 +347,16 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
     pickle.end_dataclass();
     write_file_atomically(metadata_path, out.finish());
   });
+}
+
+void write_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                         const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
+                         const std::string& save_id_on_rank0) {
+  // Every rank's file records rank 0's id (Note [save identity]).
+  const auto save_id = broadcast_string(context, context.rank() == 0 ? save_id_on_rank0 : std::string(), 0);
+  prepare_dcp_directory(directory, context);
+  const auto report = write_dcp_rank_file(directory, tensors, byte_items, context.rank(), context.world_size(), save_id);
+  finish_dcp_directory(directory, tensors, byte_items, context, save_id, report);
 }
 
 }  // namespace fsdp::detail

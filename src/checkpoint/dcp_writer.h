@@ -48,6 +48,20 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
                          const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
                          const std::string& save_id);
 
+/// write_dcp_directory in its three parts, for a save whose files are written on another thread
+/// (Note [asynchronous checkpoints], src/checkpoint/async_checkpoint.cpp): prepare (collective:
+/// creates the directory and removes an earlier checkpoint's metadata there), this rank's file
+/// (local, no collective: returns its report, "ERROR:<message>" when it failed), and finish
+/// (collective: every rank's report reaches rank 0, which writes `.metadata`; a rank's failure is
+/// raised on every rank). `tensors` need only their shapes and dtypes in finish.
+void prepare_dcp_directory(const std::string& directory, const DistributedContext& context);
+std::string write_dcp_rank_file(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                                const std::vector<DcpByteEntry>& byte_items, int64_t rank, int64_t world_size,
+                                const std::string& save_id);
+void finish_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                          const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
+                          const std::string& save_id, const std::string& report);
+
 /// {"model": state}: Accelerate's SHARDED model layout.
 std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state);
 

@@ -40,7 +40,7 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
       "Start PROGRAM on --nproc-per-node local processes with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, "
       "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 unless set). When one process "
       "fails the others get SIGTERM, then SIGKILL after the grace period, and the launcher exits with the failing "
-      "process's exit code. Ctrl-C stops them all.\n\nUsage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
+      "process's exit code (or, with --max-restarts, starts them all again). Ctrl-C stops them all.\n\nUsage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
   app->add_option("--nproc-per-node,--nproc_per_node", options->nproc_per_node, "Processes on this machine")
       ->capture_default_str();
   app->add_option("--nnodes", options->nnodes, "Machines in the job")->capture_default_str();
@@ -51,6 +51,10 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
       ->capture_default_str();
   app->add_option("--master-port,--master_port", options->master_port,
                   "Port of the rendezvous store; 0 picks a free port (single machine only)")
+      ->capture_default_str();
+  app->add_option("--max-restarts,--max_restarts", options->max_restarts,
+                  "Times to start every process again after one fails (torchrun's flag): the processes see "
+                  "TORCHELASTIC_RESTART_COUNT and resume from their latest complete checkpoint")
       ->capture_default_str();
   app->add_flag("--rank-prefix,--rank_prefix", options->rank_prefix,
                 "Prefix every output line with \"[rank R]: \"");
@@ -94,6 +98,7 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
                 options->command.front(), "'; put the program and all its arguments after `--`.");
     if (options->command.empty()) options->command = command_after_separator;
     options->termination_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000.0));
+    options->report_restart = [](const std::string& line) { std::cerr << "fsdp launch: " << line << std::endl; };
     auto result = detail::launch(*options, current_process_environment());
     if (!result.message.empty()) std::cerr << "fsdp launch: " << result.message << std::endl;
     return result.exit_code;

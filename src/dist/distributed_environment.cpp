@@ -140,6 +140,15 @@ DistributedEnvironment parse_distributed_environment(const EnvironmentMap& varia
                 "for measuring its cost); set it to 1 or 0, or unset it.");
     environment.check_collectives = *check == "1";
   }
+  // torchrun's restart round; read for every launch (a one-process job restarts too).
+  for (auto [name, field] : {std::pair<const char*, int64_t*>{"TORCHELASTIC_RESTART_COUNT", &environment.restart_count},
+                             std::pair<const char*, int64_t*>{"TORCHELASTIC_MAX_RESTARTS", &environment.max_restarts}}) {
+    if (auto text = lookup(variables, name)) {
+      *field = parse_integer(name, *text, "an integer >= 0");
+      TORCH_CHECK(*field >= 0, "distributed environment: ", name, "=", *field,
+                  " is negative; the launcher counts restarts from 0. Unset it outside a launcher.");
+    }
+  }
 
   const LauncherFamily* family = nullptr;
   for (const auto& candidate : launcher_families()) {

@@ -26,6 +26,13 @@ void validate(const LaunchOptions& options) {
   TORCH_CHECK(options.nnodes >= 1, "fsdp launch: --nnodes ", options.nnodes, " must be at least 1.");
   TORCH_CHECK(options.node_rank >= 0 && options.node_rank < options.nnodes, "fsdp launch: --node-rank ",
               options.node_rank, " must be in [0, --nnodes ", options.nnodes, ").");
+  TORCH_CHECK(options.max_restarts >= 0, "fsdp launch: --max-restarts ", options.max_restarts,
+              " must be 0 or more (torchrun's meaning: how many times to start the job again after a failure).");
+  TORCH_CHECK(options.max_restarts == 0 || options.nnodes == 1, "fsdp launch: --max-restarts ", options.max_restarts,
+              " with --nnodes ", options.nnodes, " is not supported yet: each machine's launcher would restart its "
+              "own ranks without agreeing on the round with the others, so restarted ranks could meet ranks of the "
+              "failed round. Restart a multi-machine job by hand (train_llama --resume-from latest), or run it on one "
+              "machine with --max-restarts.");
   TORCH_CHECK(options.master_port >= 0 && options.master_port <= 65535, "fsdp launch: --master-port ",
               options.master_port, " is not a TCP port; expected [1, 65535], or 0 for a free one.");
   if (options.nnodes > 1) {
@@ -41,7 +48,8 @@ void validate(const LaunchOptions& options) {
                                         "`fsdp launch --nproc-per-node 2 -- ./train --steps 10`.");
 }
 
-EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank) {
+EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank,
+                                  int64_t restart_count) {
   EnvironmentMap environment = base;
   for (const auto& [name, value] : options.extra_environment) environment[name] = value;
   const int64_t world_size = options.nnodes * options.nproc_per_node;
@@ -55,6 +63,9 @@ EnvironmentMap worker_environment(const LaunchOptions& options, const Environmen
   environment["ROLE_WORLD_SIZE"] = std::to_string(world_size);
   environment["MASTER_ADDR"] = options.master_addr;
   environment["MASTER_PORT"] = std::to_string(options.master_port);
+  // torchrun's names, which programs read to resume after a restart (Note [restarting a failed job]).
+  environment["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_count);
+  environment["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts);
   // As torchrun: several processes each spawning one thread per core would oversubscribe the CPU.
   if (options.nproc_per_node > 1 && environment.find("OMP_NUM_THREADS") == environment.end()) {
     environment["OMP_NUM_THREADS"] = "1";
@@ -123,16 +134,30 @@ int pick_free_port() {
   return ntohs(address.sin_port);
 }
 
-LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
-  validate(options);
-  if (options.master_port == 0) options.master_port = pick_free_port();
-  resolve_program(options.command.front(), base);  // a clear error before anything starts
+std::string describe_exit(int exit_code) {
+  std::string text = "exit code " + std::to_string(exit_code);
+  if (exit_code > 128 && exit_code < 128 + NSIG) {
+    const char* name = sigabbrev_np(exit_code - 128);
+    if (name != nullptr) text += std::string(" (SIG") + name + ")";
+  }
+  return text;
+}
 
+namespace {
+
+struct RoundResult {
+  LaunchResult result;
+  /// Ctrl-C or SIGTERM to the launcher: the job ends without a restart.
+  bool interrupted = false;
+};
+
+// One round: every local process started, run until all have exited, and what went wrong.
+RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, int64_t restart_count) {
   std::vector<ProcessSpec> specs;
   for (int64_t local_rank = 0; local_rank < options.nproc_per_node; ++local_rank) {
     ProcessSpec spec;
     spec.argv = options.command;
-    spec.environment = worker_environment(options, base, local_rank);
+    spec.environment = worker_environment(options, base, local_rank, restart_count);
     spec.label = "rank " + spec.environment["RANK"];
     spec.output = options.rank_prefix ? OutputMode::kLinePrefix : OutputMode::kInherit;
     specs.push_back(std::move(spec));
@@ -140,30 +165,68 @@ LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
   ProcessSetOptions set_options;
   set_options.termination_grace = options.termination_grace;
   auto outcome = run_process_set(specs, set_options);
-  LaunchResult result;
-  result.exit_code = outcome.exit_code;
+  RoundResult round;
+  round.result.exit_code = outcome.exit_code;
+  round.interrupted = outcome.interrupted;
   std::ostringstream message;
   if (outcome.first_failure) {
     message << specs[*outcome.first_failure].label << " (local rank " << *outcome.first_failure
-            << ") failed first, with exit code " << outcome.exit_code << "; stopped the other " << (specs.size() - 1)
-            << " local process(es)";
+            << ") failed first, with " << describe_exit(outcome.exit_code) << "; stopped the other "
+            << (specs.size() - 1) << " local process(es)";
     // The ones that failed after it, most likely because it did.
     std::string following;
     for (const auto index : outcome.failure_order) {
       const auto& other = outcome.outcomes[index];
       const bool stopped = other.stopped_by_parent && (other.exit_code == 128 + SIGTERM || other.exit_code == 128 + SIGKILL);
       if (index == *outcome.first_failure || stopped) continue;
-      following += (following.empty() ? "" : ", ") + specs[index].label + " with exit code " +
-                   std::to_string(outcome.outcomes[index].exit_code);
+      following += (following.empty() ? "" : ", ") + specs[index].label + " with " +
+                   describe_exit(outcome.outcomes[index].exit_code);
     }
     if (!following.empty()) message << "; after it failed " << following;
     message << ".";
-  } else if (outcome.interrupted) {
+  } else if (outcome.interrupted) {  // a signal before any failure
     message << "interrupted (exit code " << outcome.exit_code << "); stopped all " << specs.size()
             << " local process(es).";
   }
-  result.message = message.str();
-  return result;
+  round.result.message = message.str();
+  return round;
+}
+
+}  // namespace
+
+// Note [restarting a failed job]
+// `fsdp launch --max-restarts K` is torchrun's: when a process fails, the launcher stops the others
+// (SIGTERM, then SIGKILL after the grace) and, while fewer than K restarts have been made, starts
+// every local process again with TORCHELASTIC_RESTART_COUNT one higher; Ctrl-C ends the job without
+// one, and exhausted restarts exit with the last failure's code. Nothing of the failed round is
+// left when the next starts (its process groups are gone), so the new round's ranks meet only each
+// other; a port picked with --master-port 0 is picked again. The program decides what a restart
+// means: Accelerator::resume_after_restart() loads the latest complete checkpoint when the count is
+// above 0 (train_llama calls it when --resume-from is not given), so a job resumes without being
+// told and loses at most the steps since that checkpoint. Unlike torchrun's elastic agent, one
+// launcher restarts one machine's ranks only: with --nnodes above 1 the launchers would have to agree
+// on the round through the store first, which they do not yet, so restarts are refused there.
+LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
+  validate(options);
+  resolve_program(options.command.front(), base);  // a clear error before anything starts
+  const bool pick_port = options.master_port == 0;
+  for (int64_t restart = 0;; ++restart) {
+    if (pick_port) options.master_port = pick_free_port();
+    auto [result, interrupted] = run_round(options, base, restart);
+    result.restarts = restart;
+    if (result.exit_code == 0 || interrupted || restart >= options.max_restarts) {
+      if (result.exit_code != 0 && options.max_restarts > 0 && !interrupted) {
+        result.message += " No restart left (--max-restarts " + std::to_string(options.max_restarts) + ", " +
+                          std::to_string(restart) + " made).";
+      }
+      return result;
+    }
+    if (options.report_restart) {
+      options.report_restart(result.message + " Restarting all " + std::to_string(options.nproc_per_node) +
+                             " local process(es): restart " + std::to_string(restart + 1) + " of " +
+                             std::to_string(options.max_restarts) + ".");
+    }
+  }
 }
 
 }  // namespace fsdp::detail

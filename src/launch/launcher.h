@@ -3,10 +3,12 @@
 // It starts --nproc-per-node copies of a program with torchrun's variables (RANK, WORLD_SIZE,
 // LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 // and they live and die together (see process_set.h). Rank 0's process hosts the store, as in
-// torchrun's static rendezvous.
+// torchrun's static rendezvous. With --max-restarts K a failed job is started again, all of it, up to
+// K times (Note [restarting a failed job]).
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -33,13 +35,24 @@ struct LaunchOptions {
   std::vector<std::string> command;
   /// Variables exported to every process (e.g. FSDP_* from --config-file). Default: none.
   EnvironmentMap extra_environment;
+  /// Times the job is started again after a process fails (torchrun's --max-restarts): the others
+  /// are stopped as without it, then every local process starts again with TORCHELASTIC_RESTART_COUNT
+  /// one higher. Not after Ctrl-C. One machine only for now. Default: 0.
+  int64_t max_restarts = 0;
+  /// Receives one line for each failure that is followed by a restart (the CLI prints it). Default: none.
+  std::function<void(const std::string&)> report_restart;
 };
 
 /// Throws a c10::Error naming the flag, its value and the fix for any inconsistent option.
 void validate(const LaunchOptions& options);
 
-/// The environment of local process `local_rank`: `base` plus torchrun's variables.
-EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank);
+/// The environment of local process `local_rank` in restart round `restart_count` (0 for the first
+/// start): `base` plus torchrun's variables.
+EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank,
+                                  int64_t restart_count = 0);
+
+/// "exit code 3", or "exit code 137 (SIGKILL)" for a process a signal ended (128 + signal).
+std::string describe_exit(int exit_code);
 
 /// A TCP port on 127.0.0.1 that was free a moment ago, outside the kernel's ephemeral range when
 /// there is room (so that no bind to port 0 or outgoing connection takes it before rank 0 binds it).
@@ -50,6 +63,8 @@ struct LaunchResult {
   int exit_code = 0;
   /// What went wrong, for the CLI to print; empty on success.
   std::string message;
+  /// Restarts made (each after a failure).
+  int64_t restarts = 0;
 };
 
 /// Runs the job on this machine.

@@ -353,10 +353,9 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
     }
 
     if (int signal_number = received_signal.exchange(0); signal_number != 0 && options.forward_signals) {
-      if (!result.interrupted && !result.first_failure) {
-        result.interrupted = true;
-        result.exit_code = 128 + signal_number;
-      }
+      // The first failure keeps its exit code; a signal during the stop still counts as one.
+      if (!result.interrupted && !result.first_failure) result.exit_code = 128 + signal_number;
+      result.interrupted = true;
       stop_all(signal_number);
     }
     if (options.timeout && !kill_deadline && Clock::now() - started > *options.timeout) {

@@ -63,6 +63,7 @@ struct ProcessSetResult {
   /// did comes after it.
   std::vector<size_t> failure_order;
   bool timed_out = false;
+  /// This process received SIGINT or SIGTERM (also after a child had failed).
   bool interrupted = false;
   std::vector<ProcessOutcome> outcomes;
 };

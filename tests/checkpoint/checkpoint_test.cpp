@@ -21,6 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using testing::adamw_options;
+using testing::expect_bitwise_equal;
 using testing::local_slice;
 using testing::next_token_loss;
 using testing::token_batch;
@@ -67,12 +68,6 @@ std::map<std::string, torch::Tensor> reference_after(uint64_t seed, int steps) {
   return testing::named_copies(*model);
 }
 
-void expect_bitwise_equal(torch::nn::Module& actual, torch::nn::Module& expected, const std::string& what) {
-  auto left = testing::full_parameters(actual);
-  auto right = testing::full_parameters(expected);
-  ASSERT_EQ(left.size(), right.size());
-  for (const auto& [name, tensor] : right) EXPECT_TRUE(torch::equal(left.at(name), tensor)) << what << ": " << name;
-}
 
 struct RoundTripCase {
   StateDictType type;

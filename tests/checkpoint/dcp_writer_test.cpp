@@ -2,6 +2,8 @@
 // save_checkpoint writes on N ranks, the venv's PyTorch loads into an FSDP2 model on M ranks (M not N)
 // the way Accelerate's load_fsdp_model / load_fsdp_optimizer do, and gets fsdp.cpp's weights and
 // AdamW state bitwise; dcp_to_torch_save converts both directories (tests/python/dcp_load_ours.py).
+// From3To2 saves asynchronously (AsyncCheckpointer) and trains a step while the files are written:
+// they hold the state of the save, and the directory counts only after finish.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -36,17 +38,36 @@ TEST_P(DcpWrittenByUs, PyTorchLoadsItOnAnotherNumberOfRanksBitwise) {
     fully_shard(model.ptr(), context);
     torch::optim::AdamW optimizer(model->parameters(),
                                   torch::optim::AdamWOptions(0.01).betas({0.8, 0.9}).weight_decay(0.1));
-    for (int step = 0; step < 2; ++step) {
+    auto train_step = [&](int step) {
       torch::manual_seed(100 + step);
       const auto batch = torch::randn({6, 3});
       const int64_t local = 6 / context.world_size();
       fsdp::forward(model, batch.narrow(0, context.rank() * local, local)).pow(2).sum().backward();
       optimizer.step();
       optimizer.zero_grad();
+    };
+    for (int step = 0; step < 2; ++step) train_step(step);
+    const bool async = context.world_size() == 3;
+    AsyncCheckpointer checkpointer;
+    if (async) {
+      checkpointer.start(root + "/checkpoint", *model, optimizer, context, {});
+    } else {
+      save_checkpoint(root + "/checkpoint", *model, optimizer, context, {});
     }
-    save_checkpoint(root + "/checkpoint", *model, optimizer, context, {});
     const auto full_model = full_model_state_dict(*model, StateDictConfig{true, true});
     const auto full_optimizer = full_optimizer_state_dict(*model, optimizer, StateDictConfig{true, true});
+    if (async) {
+      ASSERT_TRUE(checkpointer.in_flight());
+      EXPECT_FALSE(is_complete_checkpoint(root + "/checkpoint")) << "complete before finish";
+      // One copy of this rank's rows of the 92 weights and of AdamW's two moments (and, on rank 0, the
+      // 7 replicated step counts): something, and less than the whole state.
+      EXPECT_GT(checkpointer.staging_bytes(), 0);
+      EXPECT_LT(checkpointer.staging_bytes(), 3 * 92 * 4 + 7 * 8);
+      train_step(2);
+      ASSERT_TRUE(checkpointer.finish(context, true));
+      EXPECT_FALSE(checkpointer.in_flight());
+      EXPECT_TRUE(is_complete_checkpoint(root + "/checkpoint"));
+    }
     if (context.rank() != 0) return;
     write_safetensors(root + "/expected_model.safetensors", full_model);
     TensorList optimizer_tensors;

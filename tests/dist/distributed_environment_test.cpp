@@ -61,6 +61,29 @@ TEST(DistributedEnvironment, AgentStore) {
   EXPECT_TRUE(environment.use_agent_store);
 }
 
+// torchrun's restart round (fsdp launch --max-restarts exports the same two variables).
+TEST(DistributedEnvironment, RestartCountAndMaxRestarts) {
+  EXPECT_EQ(parse_distributed_environment({}).restart_count, 0);
+  auto environment = parse_distributed_environment({{"RANK", "0"}, {"WORLD_SIZE", "2"},
+                                                    {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_MAX_RESTARTS", "3"}});
+  EXPECT_EQ(environment.restart_count, 2);
+  EXPECT_EQ(environment.max_restarts, 3);
+  EXPECT_EQ(parse_distributed_environment({{"TORCHELASTIC_RESTART_COUNT", "1"}}).restart_count, 1);
+  try {
+    parse_distributed_environment({{"TORCHELASTIC_RESTART_COUNT", "-1"}});
+    FAIL() << "a negative restart count was accepted";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("TORCHELASTIC_RESTART_COUNT=-1 is negative"), std::string::npos) << error.what();
+  }
+  try {
+    parse_distributed_environment({{"TORCHELASTIC_MAX_RESTARTS", "three"}});
+    FAIL() << "a word was accepted";
+  } catch (const c10::Error& error) {
+    EXPECT_NE(std::string(error.what()).find("TORCHELASTIC_MAX_RESTARTS='three' is not an integer"), std::string::npos)
+        << error.what();
+  }
+}
+
 TEST(DistributedEnvironment, OpenMpiVariables) {
   auto environment = parse_distributed_environment({{"OMPI_COMM_WORLD_RANK", "3"},
                                                     {"OMPI_COMM_WORLD_SIZE", "4"},

@@ -1,6 +1,7 @@
 // Helpers for comparing FSDP training with single-process training of the same model.
 #pragma once
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <string>
@@ -39,6 +40,14 @@ inline std::map<std::string, torch::Tensor> full_parameters(torch::nn::Module& m
   for (const auto& item : model.named_parameters()) full[item.key()] = item.value().detach().clone();
   for (const auto& unit : units) unit.reshard();
   return full;
+}
+
+/// Every full parameter of `actual` equals `expected`'s bitwise (full_parameters of both). Collective.
+inline void expect_bitwise_equal(torch::nn::Module& actual, torch::nn::Module& expected, const std::string& what) {
+  const auto left = full_parameters(actual);
+  const auto right = full_parameters(expected);
+  ASSERT_EQ(left.size(), right.size()) << what;
+  for (const auto& [name, tensor] : right) EXPECT_TRUE(torch::equal(left.at(name), tensor)) << what << ": " << name;
 }
 
 inline std::map<std::string, torch::Tensor> named_copies(const torch::nn::Module& model) {

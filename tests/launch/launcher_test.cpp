@@ -131,6 +131,48 @@ TEST_F(LaunchTest, RankKilledBySignalGives128PlusSignal) {
   EXPECT_EQ(result.exit_code, 128 + SIGKILL) << result.output;
 }
 
+// --max-restarts (torchrun's): a failure stops the others, then every rank starts again with
+// TORCHELASTIC_RESTART_COUNT one higher, one line naming the failure and the restart; the job
+// succeeds once a round does. Here rank 1 fails in rounds 0 and 1 (killed by SIGKILL, then exit 3).
+TEST_F(LaunchTest, MaxRestartsStartsEveryRankAgainWithTheRestartCount) {
+  const std::string script =
+      "echo \"$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS\" >> " + path("rounds_") + "$RANK; "
+      "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then kill -9 $$; fi; "
+      "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 1 ]; then exit 3; fi; "
+      "if [ \"$RANK\" = 0 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" != 2 ]; then exec sleep 100; fi; exit 0";
+  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--max-restarts", "3",
+                     "--termination-grace", "1", "--", "sh", "-c", script});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_EQ(read(path("rounds_0")), "0 3\n1 3\n2 3\n");
+  EXPECT_EQ(read(path("rounds_1")), "0 3\n1 3\n2 3\n");
+  EXPECT_NE(result.output.find("fsdp launch: rank 1 (local rank 1) failed first, with exit code 137 (SIGKILL); stopped "
+                               "the other 1 local process(es). Restarting all 2 local process(es): restart 1 of 3."),
+            std::string::npos)
+      << result.output;
+  EXPECT_NE(result.output.find("failed first, with exit code 3; stopped the other 1 local process(es). Restarting all "
+                               "2 local process(es): restart 2 of 3."),
+            std::string::npos)
+      << result.output;
+}
+
+// Restarts run out: the last failure's code, and the line says none is left. Without the flag,
+// no restart at all (the default of 0, as torchrun).
+TEST_F(LaunchTest, ExhaustedRestartsExitWithTheLastFailuresCode) {
+  const std::string script = "echo x >> " + path("starts") + "; exit $((3 + ${TORCHELASTIC_RESTART_COUNT}))";
+  auto result = run({"launch", "--master-port", "0", "--max-restarts", "2", "--", "sh", "-c", script});
+  EXPECT_EQ(result.exit_code, 5) << result.output;
+  EXPECT_EQ(read(path("starts")), "x\nx\nx\n");
+  EXPECT_NE(result.output.find("rank 0 (local rank 0) failed first, with exit code 5; stopped the other 0 local "
+                               "process(es). No restart left (--max-restarts 2, 2 made)."),
+            std::string::npos)
+      << result.output;
+  fs::remove(path("starts"));
+  result = run({"launch", "--master-port", "0", "--", "sh", "-c", script});
+  EXPECT_EQ(result.exit_code, 3) << result.output;
+  EXPECT_EQ(read(path("starts")), "x\n");
+  EXPECT_EQ(result.output.find("Restarting"), std::string::npos) << result.output;
+}
+
 TEST_F(LaunchTest, InterruptStopsEveryRank) {
   std::thread interrupter([this] {
     // The workers record the launcher's pid ($PPID of sh) once they run.
@@ -181,6 +223,14 @@ TEST_F(LaunchTest, InconsistentFlagsAreRejected) {
   EXPECT_NE(result.output.find("--master-port 0 picks a port on this machine only"), std::string::npos) << result.output;
   result = run({"launch", "--nnodes", "2", "--", "true"});
   EXPECT_NE(result.output.find("is a loopback address"), std::string::npos) << result.output;
+  result = run({"launch", "--max-restarts", "-1", "--", "true"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("--max-restarts -1 must be 0 or more"), std::string::npos) << result.output;
+  result = run({"launch", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234", "--max-restarts", "1",
+                "--", "true"});
+  EXPECT_EQ(result.exit_code, 1) << result.output;
+  EXPECT_NE(result.output.find("--max-restarts 1 with --nnodes 2 is not supported yet"), std::string::npos)
+      << result.output;
   result = run({"launch", "--nproc-per-node", "zero", "--", "true"});
   EXPECT_EQ(result.exit_code, 2) << result.output;
   EXPECT_NE(result.output.find("--nproc-per-node"), std::string::npos) << result.output;

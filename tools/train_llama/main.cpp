@@ -19,6 +19,8 @@
 #include <set>
 #include <cstdio>
 #include <filesystem>
+#include <functional>
+#include <memory>
 #include <fstream>
 #include <iostream>
 #include <sstream>
@@ -61,6 +63,7 @@ struct Settings {
   int64_t stop_after = 0;
   int64_t sample_bytes = 300;
   bool skip_nonfinite_steps = false;
+  bool async_checkpoint = false;
 };
 
 std::string read_text(const std::string& path) {
@@ -114,7 +117,8 @@ std::vector<std::pair<std::string, std::string>> run_fields(const Settings& sett
           {"--meta-init", settings.meta_init ? "true" : "false"},
           {"--stop-after", std::to_string(settings.stop_after)},
           {"--sample-bytes", std::to_string(settings.sample_bytes)},
-          {"--skip-nonfinite-steps", settings.skip_nonfinite_steps ? "true" : "false"}};
+          {"--skip-nonfinite-steps", settings.skip_nonfinite_steps ? "true" : "false"},
+          {"--async-checkpoint", settings.async_checkpoint ? "true" : "false"}};
 }
 
 /// A text's size and FNV-1a hash: ranks that read different files differ here.
@@ -134,6 +138,22 @@ double learning_rate(const Settings& settings, int64_t step) {
   return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
 }
 
+/// The model's tensors, counting the tied lm_head once.
+size_t unique_parameter_count(LlamaForCausalLM& model) {
+  std::set<const c10::TensorImpl*> unique;
+  for (const auto& parameter : model->parameters()) unique.insert(parameter.unsafeGetTensorImpl());
+  return unique.size();
+}
+
+/// Refuses a checkpoint that holds more tensors than the model takes (transformers would drop them
+/// with a warning; here they mean another configuration).
+void check_tensor_count(const fsdp::SafetensorsCheckpointSource& source, size_t model_tensors,
+                        const std::string& directory) {
+  TORCH_CHECK(source.size() == model_tensors, "'", directory, "' has ", source.size(), " tensors but the model takes ",
+              model_tensors, " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a checkpoint "
+              "of this configuration");
+}
+
 /// Copies a Hugging Face directory's weights into the (not yet sharded) model, on rank 0.
 void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
   fsdp::SafetensorsCheckpointSource source(directory);
@@ -149,12 +169,27 @@ void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
     item.value().copy_(source.rows(item.key(), 0, shape.empty() ? 1 : shape[0]).reshape(shape));
     loaded.insert(item.value().unsafeGetTensorImpl());
   }
-  TORCH_CHECK(source.size() == loaded.size(), "'", directory, "' has ", source.size(), " tensors but the model takes ",
-              loaded.size(), " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a checkpoint of "
-              "this configuration");
+  check_tensor_count(source, loaded.size(), directory);
 }
 
-/// Rank 0 loads the weights; every rank learns whether that worked before the next collective.
+/// Runs `step` on rank 0 only; every rank learns whether it failed before the next collective, so a
+/// bad directory is an error on every rank instead of a hang (rank 0's message there, a pointer to
+/// rank 0 elsewhere).
+void on_rank0_or_fail_everywhere(const fsdp::DistributedContext& context, const std::string& directory,
+                                 const std::function<void()>& step) {
+  std::string error;
+  if (context.rank() == 0) {
+    try {
+      step();
+    } catch (const c10::Error& failure) {
+      error = failure.what_without_backtrace();
+    }
+  }
+  auto failed = torch::full({1}, error.empty() ? 0 : 1, torch::kLong);
+  fsdp::broadcast(context.world(), failed, 0);
+  TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
+}
+
 /// Command-line checks whose message names the value: "--steps: must be positive, got 0".
 CLI::Validator numeric_check(bool allow_zero) {
   return CLI::Validator(
@@ -195,42 +230,22 @@ LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, bool 
 }
 
 void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory, const fsdp::DistributedContext& context) {
-  std::string error;
-  if (context.rank() == 0) {
-    try {
-      load_weights_into(model, directory);
-    } catch (const c10::Error& failure) {
-      error = failure.what_without_backtrace();
-    }
-  }
-  auto failed = torch::full({1}, error.empty() ? 0 : 1, torch::kLong);
-  fsdp::broadcast(context.world(), failed, 0);
-  TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
+  on_rank0_or_fail_everywhere(context, directory, [&] { load_weights_into(model, directory); });
 }
 
 /// Fills the sharded model from a Hugging Face directory: rank 0 opens its files and sends one
-/// tensor at a time, every rank keeps its rows (fsdp::load_pretrained_weights); rank 0 holds one
+/// tensor at a time, every rank keeps its rows (fsdp::load_model_state_dict_from_rank0); rank 0 holds one
 /// full tensor beyond its shards, the other ranks never open the files. Extra tensors in the files
-/// (an untied head for a tied config) are refused as load_weights_into refuses them.
+/// (an untied head for a tied config) are refused as load_weights_into refuses them. The files are
+/// opened once.
 void stream_pretrained_weights(LlamaForCausalLM& model, const std::string& directory,
                                const fsdp::DistributedContext& context) {
-  std::string error;
-  if (context.rank() == 0) {
-    try {
-      std::set<const c10::TensorImpl*> unique;
-      for (const auto& parameter : model->parameters()) unique.insert(parameter.unsafeGetTensorImpl());
-      const fsdp::SafetensorsCheckpointSource source(directory);
-      TORCH_CHECK(source.size() == unique.size(), "'", directory, "' has ", source.size(), " tensors but the model takes ",
-                  unique.size(), " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a "
-                  "checkpoint of this configuration");
-    } catch (const c10::Error& failure) {
-      error = failure.what_without_backtrace();
-    }
-  }
-  auto failed = torch::full({1}, error.empty() ? 0 : 1, torch::kLong);
-  fsdp::broadcast(context.world(), failed, 0);
-  TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
-  fsdp::load_pretrained_weights(*model, context, directory);
+  std::unique_ptr<fsdp::SafetensorsCheckpointSource> source;  // rank 0's only
+  on_rank0_or_fail_everywhere(context, directory, [&] {
+    source = std::make_unique<fsdp::SafetensorsCheckpointSource>(directory);
+    check_tensor_count(*source, unique_parameter_count(model), directory);
+  });
+  fsdp::load_model_state_dict_from_rank0(*model, context, source.get());
 }
 
 /// The settings a resumed run must share with the run that saved the checkpoint.
@@ -391,6 +406,11 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   options.project_dir = settings.output_dir;
   options.total_limit = settings.total_limit;
   fsdp::Accelerator accelerator(context, options);
+  TORCH_CHECK(!settings.async_checkpoint ||
+                  accelerator.fsdp_plugin().state_dict_type == fsdp::StateDictType::kShardedStateDict,
+              "--async-checkpoint writes SHARDED_STATE_DICT checkpoints only, but FSDP_STATE_DICT_TYPE is ",
+              fsdp::to_string(accelerator.fsdp_plugin().state_dict_type),
+              ". Set FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT, or leave out --async-checkpoint");
   torch::optim::AdamW optimizer(unique_parameters(*model),
                                 torch::optim::AdamWOptions(settings.lr).betas({0.9, 0.95}).weight_decay(settings.weight_decay));
   accelerator.prepare(model, optimizer);
@@ -398,20 +418,27 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
 
   int64_t start_step = 0;
   double last_eval = std::nan("");
-  if (!settings.resume_from.empty()) {
-    const auto directory = settings.resume_from == "latest" ? accelerator.latest_checkpoint() : settings.resume_from;
-    TORCH_CHECK(!directory.empty(), "--resume-from latest: no complete checkpoint in '", settings.output_dir,
+  // After `fsdp launch --max-restarts` restarted the job, the latest complete checkpoint in
+  // --output-dir is where it continues (Note [restarting a failed job]); --resume-from, which
+  // names where the first start began, counts only while there is none.
+  std::optional<fsdp::TrainingProgress> resumed = accelerator.resume_after_restart();
+  std::string resumed_from = resumed ? "the latest checkpoint in " + settings.output_dir : "";
+  if (!resumed && !settings.resume_from.empty()) {
+    resumed_from = settings.resume_from == "latest" ? accelerator.latest_checkpoint() : settings.resume_from;
+    TORCH_CHECK(!resumed_from.empty(), "--resume-from latest: no complete checkpoint in '", settings.output_dir,
                 "/checkpoints'");
-    const auto progress = accelerator.load_state(directory);
-    start_step = progress.step;
+    resumed = accelerator.load_state(resumed_from);
+    accelerator.print("resumed from " + resumed_from + " at step " + std::to_string(resumed->step));
+  }
+  if (resumed) {
+    start_step = resumed->step;
     for (const auto& [name, value] : resume_settings(settings)) {
-      auto saved = progress.scheduler.find(name);
-      TORCH_CHECK(saved == progress.scheduler.end() || saved->second == value, "--resume-from ", directory,
+      auto saved = resumed->scheduler.find(name);
+      TORCH_CHECK(saved == resumed->scheduler.end() || saved->second == value, "resuming from ", resumed_from,
                   ": the checkpoint was saved with --", name, " ", saved->second, " but this run has ", value,
                   "; resume with the same settings so that data and schedule continue exactly");
     }
-    if (progress.scheduler.count("eval_loss")) last_eval = progress.scheduler.at("eval_loss");
-    accelerator.print("resumed from " + directory + " at step " + std::to_string(start_step));
+    if (resumed->scheduler.count("eval_loss")) last_eval = resumed->scheduler.at("eval_loss");
   }
   const bool main = context.is_main_process();
   std::optional<train_llama::MetricsLog> metrics;
@@ -457,6 +484,9 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
       optimizer.step();
       optimizer.zero_grad();
     }
+    // An asynchronous checkpoint counts as soon as every rank has written it (Note [asynchronous
+    // checkpoints]); the step's time includes this poll, as a user's would.
+    if (settings.async_checkpoint) accelerator.finish_checkpoint(false);
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - step_start).count();
 
     train_llama::StepMetrics record;
@@ -486,9 +516,15 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     if (checkpoint_now) {
       auto scheduler = resume_settings(settings);
       if (!std::isnan(last_eval)) scheduler["eval_loss"] = last_eval;
+      fsdp::SaveStateOptions save_options;
+      save_options.async = settings.async_checkpoint;
       const auto directory =
-          accelerator.save_state(fsdp::TrainingProgress{step, step * settings.global_batch_size, scheduler});
-      accelerator.print("saved checkpoint " + directory);
+          accelerator.save_state(fsdp::TrainingProgress{step, step * settings.global_batch_size, scheduler}, save_options);
+      if (!settings.async_checkpoint) accelerator.print("saved checkpoint " + directory);
+    }
+    if (step == settings.stop_after || step == settings.steps) {
+      // The last asynchronous checkpoint is complete before the run ends.
+      accelerator.finish_checkpoint(true);
     }
     if (step == settings.stop_after) {
       accelerator.print("stopped after step " + std::to_string(step) + "; resume with --resume-from latest");
@@ -542,6 +578,9 @@ int main(int argc, char** argv) {
   app.add_option("--output-dir", settings.output_dir, "Metrics, plot, checkpoints and final model")->capture_default_str();
   app.add_option("--checkpoint-every", settings.checkpoint_every, "Save a checkpoint every K steps (0: only at the end)")
       ->check(non_negative_value())->capture_default_str();
+  app.add_flag("--async-checkpoint", settings.async_checkpoint,
+               "Write checkpoints on a background thread while training continues (SHARDED_STATE_DICT only); each "
+               "counts once every rank's files are written, and the last is finished before the run ends");
   app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")->check(non_negative_value())->capture_default_str();
   app.add_option("--resume-from", settings.resume_from, "A checkpoint directory, or 'latest' in --output-dir");
   app.add_option("--init-from", settings.init_from, "A Hugging Face directory (model.safetensors + config.json)");
