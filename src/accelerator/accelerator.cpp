@@ -372,7 +372,9 @@ std::string Accelerator::save_state(const TrainingProgress& progress, const Save
 }
 
 void Accelerator::rotate_checkpoints() {
-  if (is_main_process() && total_limit_ > 0) {
+  // Rank 0 deletes; a failure there (a file it may not remove) is every rank's error, not a hang.
+  detail::run_on_every_rank(context_, [&] {
+    if (!is_main_process() || total_limit_ <= 0) return;
     // Keep the total_limit newest complete checkpoints. An incomplete one (a save that crashed) does
     // not count, so it never pushes out the last complete checkpoint before it; it goes only once it
     // is older than every checkpoint kept.
@@ -387,8 +389,7 @@ void Accelerator::rotate_checkpoints() {
         if (checkpoint_number < oldest_kept) fs::remove_all(path);
       }
     }
-  }
-  wait_for_everyone();
+  });
 }
 
 std::string Accelerator::latest_checkpoint() const {

@@ -34,6 +34,7 @@
 #include <fsdp/collectives.h>
 
 #include "checkpoint/sharded_save.h"
+#include "dist/agreement.h"
 #include "memory/device.h"
 
 namespace fsdp {
@@ -139,30 +140,42 @@ void AsyncCheckpointer::start(const std::string& directory, torch::nn::Module& m
     if (!finish(context, false)) finish(context, true);
     state.waited_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   }
-  const auto started = std::chrono::steady_clock::now();
   auto save = detail::begin_sharded_save(directory, model, optimizer, context, progress);
-  size_t next = 0;
-  detail::stage(save.model, state.staging, next, context.rank());
-  detail::stage(save.optimizer, state.staging, next, context.rank());
-  state.staging.resize(next);  // a smaller state than last time keeps no stale copies
-  state.staging_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   state.directory = directory;
-  state.save = std::move(save);
-  state.written = false;
   const auto rank = context.rank();
   const auto world_size = context.world_size();
-  state.writer = std::thread([&state, rank, world_size] {
-    // Training comes first: on a machine whose cores the ranks keep busy, the writer's serialization
-    // and checksums run when a rank waits (Linux's nice value is per thread). Without the permission
-    // to lower it the thread keeps the default: only slower for training, never wrong.
-    (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), detail::kWriterNice);
-    try {
-      state.reports = detail::write_sharded_save_files(*state.save, rank, world_size);
-    } catch (const std::exception& error) {  // write_sharded_save_files reports; this is a last resort
-      state.reports = {std::string("ERROR:") + error.what(), std::string("ERROR:") + error.what()};
-    }
-    state.written = true;
-  });
+  // Staging and the thread's start can fail on one rank only (page-locked memory, a thread): every
+  // rank raises then, and none keeps the save in flight, or the ranks would disagree on whether the
+  // next finish() all-reduces.
+  try {
+    detail::run_on_every_rank(context, [&] {
+      const auto copy_started = std::chrono::steady_clock::now();
+      size_t next = 0;
+      detail::stage(save.model, state.staging, next, rank);
+      detail::stage(save.optimizer, state.staging, next, rank);
+      state.staging.resize(next);  // a smaller state than last time keeps no stale copies
+      state.staging_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - copy_started).count();
+      state.save = std::move(save);
+      state.reports = {};
+      state.written = false;
+      state.writer = std::thread([&state, rank, world_size] {
+        // Training comes first: on a machine whose cores the ranks keep busy, the writer's serialization
+        // and checksums run when a rank waits (Linux's nice value is per thread). Without the permission
+        // to lower it the thread keeps the default: only slower for training, never wrong.
+        (void)::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), detail::kWriterNice);
+        try {
+          state.reports = detail::write_sharded_save_files(*state.save, rank, world_size);
+        } catch (const std::exception& error) {  // write_sharded_save_files reports; this is a last resort
+          state.reports = {std::string("ERROR:") + error.what(), std::string("ERROR:") + error.what()};
+        }
+        state.written = true;
+      });
+    });
+  } catch (...) {
+    state.join();
+    state.save.reset();
+    throw;
+  }
 }
 
 }  // namespace fsdp

@@ -13,6 +13,7 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
+#include <utility>
 #include <fstream>
 #include <random>
 #include <sstream>
@@ -136,9 +137,13 @@ int pick_free_port() {
 
 std::string describe_exit(int exit_code) {
   std::string text = "exit code " + std::to_string(exit_code);
-  if (exit_code > 128 && exit_code < 128 + NSIG) {
-    const char* name = sigabbrev_np(exit_code - 128);
-    if (name != nullptr) text += std::string(" (SIG") + name + ")";
+  // The signals that end processes in practice (glibc's sigabbrev_np is 2.32 and later only).
+  static const std::pair<int, const char*> kNames[] = {
+      {SIGHUP, "SIGHUP"},   {SIGINT, "SIGINT"},   {SIGQUIT, "SIGQUIT"}, {SIGILL, "SIGILL"},   {SIGABRT, "SIGABRT"},
+      {SIGBUS, "SIGBUS"},   {SIGFPE, "SIGFPE"},   {SIGKILL, "SIGKILL"}, {SIGSEGV, "SIGSEGV"}, {SIGPIPE, "SIGPIPE"},
+      {SIGALRM, "SIGALRM"}, {SIGTERM, "SIGTERM"}, {SIGXCPU, "SIGXCPU"}, {SIGXFSZ, "SIGXFSZ"}};
+  for (const auto& [number, name] : kNames) {
+    if (exit_code == 128 + number) text += std::string(" (") + name + ")";
   }
   return text;
 }

@@ -370,6 +370,8 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
   }
   // Leave no grandchildren behind once the set is being stopped.
   if (kill_deadline) signal_all(children, SIGKILL);
+  // A signal after the loop's last look still ends the job: the launcher must not restart it.
+  if (received_signal.exchange(0) != 0 && options.forward_signals) result.interrupted = true;
   return result;
 }
 
