@@ -27,7 +27,7 @@ PUBLIC_HEADERS = {
     "sharding_options.h": "engine", "fully_shard.h": "engine", "meta_device.h": "engine", "memory_estimate.h": "engine", "activation_checkpointing.h": "engine",
     "auto_wrap.h": "engine", "clip_grad_norm.h": "engine", "sharded_grad_scaler.h": "engine", "pretrained_model.h": "engine",
     "state_dict_options.h": "checkpoint", "state_dict.h": "checkpoint", "sharded_checkpoint.h": "checkpoint", "dcp.h": "checkpoint",
-    "checkpoint.h": "checkpoint", "pretrained_weights.h": "checkpoint",
+    "checkpoint.h": "checkpoint", "async_checkpoint.h": "checkpoint", "pretrained_weights.h": "checkpoint",
     "merge.h": "merge",
     "plugin.h": "config", "accelerate_config.h": "config",
     "accelerator.h": "accelerator", "fsdp2_prepare.h": "accelerator",
