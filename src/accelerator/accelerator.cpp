@@ -4,7 +4,6 @@
 #include <nlohmann/json.hpp>
 
 #include <algorithm>
-#include <chrono>
 #include <filesystem>
 #include <iostream>
 #include <map>
@@ -184,23 +183,21 @@ void Accelerator::save_state(const std::string& directory, const TrainingProgres
               "plugin's state_dict_type is ", to_string(checkpoint_options.state_dict_type),
               ". Set FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT (or the plugin's state_dict_type), or save without async");
   if (!async_checkpointer_) async_checkpointer_ = std::make_unique<AsyncCheckpointer>();
-  // At most one in flight: the save before this one is finished first (and rotated, if it was an
-  // automatic one), waiting for its files when they are not all written yet.
-  double waited = 0;
-  if (async_checkpointer_->in_flight() && !finish_checkpoint(false)) {
-    const auto started = std::chrono::steady_clock::now();
-    finish_checkpoint(true);
-    waited = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-  }
   auto& writer = *async_checkpointer_;
-  writer.start(directory, *model_, *optimizer_, context_, progress);
+  // At most one in flight: start() finishes the save before this one first, waiting for its files
+  // when they are not all written yet; an automatic one is rotated after it.
+  const bool rotate_previous = writer.in_flight() && rotate_after_finish_;
   rotate_after_finish_ = false;
+  writer.start(directory, *model_, *optimizer_, context_, progress);
+  if (rotate_previous) rotate_checkpoints();
   std::ostringstream line;
   line.setf(std::ios::fixed);
   line.precision(2);
   line << "asynchronous checkpoint " << directory << ": staged " << writer.staging_bytes() / 1048576.0
        << " MiB of this rank's state in " << writer.staging_seconds() << " s; the files are written in the background";
-  if (waited > 0) line << " (waited " << waited << " s for the save before it to be written)";
+  if (writer.waited_seconds() > 0) {
+    line << " (waited " << writer.waited_seconds() << " s for the save before it to be written)";
+  }
   print(line.str());
 }
 

@@ -135,9 +135,9 @@ void AsyncCheckpointer::start(const std::string& directory, torch::nn::Module& m
                               const DistributedContext& context, const TrainingProgress& progress) {
   auto& state = *state_;
   state.waited_seconds = 0;
-  if (state.save) {
+  if (state.save && !finish(context, false)) {
     const auto started = std::chrono::steady_clock::now();
-    if (!finish(context, false)) finish(context, true);
+    finish(context, true);
     state.waited_seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   }
   auto save = detail::begin_sharded_save(directory, model, optimizer, context, progress);

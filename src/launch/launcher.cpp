@@ -218,7 +218,6 @@ LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
   for (int64_t restart = 0;; ++restart) {
     if (pick_port) options.master_port = pick_free_port();
     auto [result, interrupted] = run_round(options, base, restart);
-    result.restarts = restart;
     if (result.exit_code == 0 || interrupted || restart >= options.max_restarts) {
       if (result.exit_code != 0 && options.max_restarts > 0 && !interrupted) {
         result.message += " No restart left (--max-restarts " + std::to_string(options.max_restarts) + ", " +

@@ -63,8 +63,6 @@ struct LaunchResult {
   int exit_code = 0;
   /// What went wrong, for the CLI to print; empty on success.
   std::string message;
-  /// Restarts made (each after a failure).
-  int64_t restarts = 0;
 };
 
 /// Runs the job on this machine.
