@@ -18,7 +18,10 @@ namespace {
 // Process counts and rendezvous from the file, unless the matching flag was given.
 void apply_config_to_launch(const AccelerateConfig& config, const CLI::App& app, detail::LaunchOptions& options) {
   const bool nnodes_given = app.count("--nnodes") > 0;
-  if (config.num_machines && !nnodes_given) options.nnodes = *config.num_machines;
+  if (config.num_machines && !nnodes_given) {
+    options.nnodes = *config.num_machines;
+    options.min_nnodes = 0;
+  }
   if (config.num_processes && app.count("--nproc-per-node") == 0) {
     TORCH_CHECK(*config.num_processes % options.nnodes == 0, "config file '", config.path, "': num_processes ",
                 *config.num_processes, " is not a multiple of num_machines ", options.nnodes,
@@ -28,6 +31,70 @@ void apply_config_to_launch(const AccelerateConfig& config, const CLI::App& app,
   if (config.machine_rank && app.count("--node-rank") == 0) options.node_rank = *config.machine_rank;
   if (config.main_process_ip && app.count("--master-addr") == 0) options.master_addr = *config.main_process_ip;
   if (config.main_process_port && app.count("--master-port") == 0) options.master_port = static_cast<int>(*config.main_process_port);
+}
+
+// torchrun's --nnodes: "N" or "MIN:MAX".
+void parse_nnodes(const std::string& text, detail::LaunchOptions& options) {
+  auto number = [&](const std::string& part) {
+    size_t used = 0;
+    int64_t value = -1;
+    try {
+      value = std::stoll(part, &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK(used == part.size() && !part.empty(), "fsdp launch: --nnodes '", text,
+                "' is not N or MIN:MAX (whole numbers), e.g. --nnodes 2 or --nnodes 1:4.");
+    return value;
+  };
+  const auto colon = text.find(':');
+  if (colon == std::string::npos) {
+    options.nnodes = number(text);
+    options.min_nnodes = 0;
+  } else {
+    options.min_nnodes = number(text.substr(0, colon));
+    options.nnodes = number(text.substr(colon + 1));
+    TORCH_CHECK(options.min_nnodes >= 1 && options.min_nnodes <= options.nnodes, "fsdp launch: --nnodes ", text,
+                " is not MIN:MAX with 1 <= MIN <= MAX; e.g. --nnodes 1:4 runs on 1 to 4 machines.");
+  }
+}
+
+// torchrun's --rdzv-conf keys that mean something here; any other is refused by name.
+void parse_rdzv_conf(const std::string& text, detail::LaunchOptions& options) {
+  size_t start = 0;
+  while (start <= text.size()) {
+    const auto comma = text.find(',', start);
+    const auto item = text.substr(start, comma == std::string::npos ? std::string::npos : comma - start);
+    start = comma == std::string::npos ? text.size() + 1 : comma + 1;
+    if (item.empty()) continue;
+    const auto equals = item.find('=');
+    const auto name = item.substr(0, equals);
+    TORCH_CHECK(equals != std::string::npos && (name == "join_timeout" || name == "last_call_timeout"),
+                "fsdp launch: --rdzv-conf '", item, "' is not join_timeout=SECONDS or last_call_timeout=SECONDS, "
+                "the torchrun settings fsdp launch has (torchrun's other keys, such as read_timeout, do not apply "
+                "to its rendezvous).");
+    double seconds = -1;
+    size_t used = 0;
+    try {
+      seconds = std::stod(item.substr(equals + 1), &used);
+    } catch (const std::exception&) {
+      used = 0;
+    }
+    TORCH_CHECK(used > 0 && used == item.size() - equals - 1 && seconds >= 0 && seconds <= 86400,
+                "fsdp launch: --rdzv-conf ", item, ": expected seconds in [0, 86400].");
+    const auto duration = std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+    (name == "join_timeout" ? options.join_timeout : options.last_call_timeout) = duration;
+  }
+}
+
+// A flag's value that does not parse is a usage error (exit 2), as CLI11's own are.
+template <typename Parse>
+void as_usage_error(Parse parse) {
+  try {
+    parse();
+  } catch (const c10::Error& error) {
+    throw CLI::ValidationError(error.what_without_backtrace());
+  }
 }
 
 }  // namespace
@@ -43,7 +110,15 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
       "process's exit code (or, with --max-restarts, starts them all again). Ctrl-C stops them all.\n\nUsage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
   app->add_option("--nproc-per-node,--nproc_per_node", options->nproc_per_node, "Processes on this machine")
       ->capture_default_str();
-  app->add_option("--nnodes", options->nnodes, "Machines in the job")->capture_default_str();
+  app->add_option_function<std::string>(
+         "--nnodes", [options](const std::string& text) { as_usage_error([&] { parse_nnodes(text, *options); }); },
+         "Machines in the job: N, or MIN:MAX to go on with as few as MIN after a machine is lost "
+         "(torchrun's; with --max-restarts)")
+      ->default_str("1");
+  app->add_option_function<std::string>(
+      "--rdzv-conf,--rdzv_conf", [options](const std::string& text) { as_usage_error([&] { parse_rdzv_conf(text, *options); }); },
+      "torchrun's rendezvous settings for a job of several machines: join_timeout=SECONDS (default 600), "
+      "last_call_timeout=SECONDS (default 30), comma-separated");
   app->add_option("--node-rank,--node_rank", options->node_rank, "Index of this machine, in [0, nnodes)")
       ->capture_default_str();
   app->add_option("--master-addr,--master_addr", options->master_addr,

@@ -1,6 +1,7 @@
 // See launcher.h.
 #include "launch/launcher.h"
 
+#include "launch/elastic_rendezvous.h"
 #include "launch/process_set.h"
 
 #include <c10/util/Exception.h>
@@ -29,11 +30,11 @@ void validate(const LaunchOptions& options) {
               options.node_rank, " must be in [0, --nnodes ", options.nnodes, ").");
   TORCH_CHECK(options.max_restarts >= 0, "fsdp launch: --max-restarts ", options.max_restarts,
               " must be 0 or more (torchrun's meaning: how many times to start the job again after a failure).");
-  TORCH_CHECK(options.max_restarts == 0 || options.nnodes == 1, "fsdp launch: --max-restarts ", options.max_restarts,
-              " with --nnodes ", options.nnodes, " is not supported yet: each machine's launcher would restart its "
-              "own ranks without agreeing on the round with the others, so restarted ranks could meet ranks of the "
-              "failed round. Restart a multi-machine job by hand (train_llama --resume-from latest), or run it on one "
-              "machine with --max-restarts.");
+  const int64_t min_nnodes = min_nodes(options);
+  TORCH_CHECK(min_nnodes >= 1 && min_nnodes <= options.nnodes, "fsdp launch: --nnodes ", min_nnodes, ":",
+              options.nnodes, " is not MIN:MAX with 1 <= MIN <= MAX; e.g. --nnodes 1:4 runs on 1 to 4 machines.");
+  TORCH_CHECK(options.join_timeout.count() > 0 && options.last_call_timeout.count() >= 0,
+              "fsdp launch: --rdzv-conf join_timeout must be above 0 and last_call_timeout 0 or more (seconds).");
   TORCH_CHECK(options.master_port >= 0 && options.master_port <= 65535, "fsdp launch: --master-port ",
               options.master_port, " is not a TCP port; expected [1, 65535], or 0 for a free one.");
   if (options.nnodes > 1) {
@@ -49,17 +50,29 @@ void validate(const LaunchOptions& options) {
                                         "`fsdp launch --nproc-per-node 2 -- ./train --steps 10`.");
 }
 
+int64_t min_nodes(const LaunchOptions& options) { return options.min_nnodes == 0 ? options.nnodes : options.min_nnodes; }
+
+bool is_elastic(const LaunchOptions& options) {
+  return options.nnodes > 1 && (options.max_restarts > 0 || min_nodes(options) < options.nnodes);
+}
+
 EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank,
                                   int64_t restart_count) {
+  return worker_environment(options, base, local_rank, RoundPlace{options.node_rank, options.nnodes, restart_count});
+}
+
+EnvironmentMap worker_environment(const LaunchOptions& options, const EnvironmentMap& base, int64_t local_rank,
+                                  const RoundPlace& place) {
   EnvironmentMap environment = base;
   for (const auto& [name, value] : options.extra_environment) environment[name] = value;
-  const int64_t world_size = options.nnodes * options.nproc_per_node;
-  const int64_t rank = options.node_rank * options.nproc_per_node + local_rank;
+  const int64_t world_size = place.nodes * options.nproc_per_node;
+  const int64_t rank = place.group_rank * options.nproc_per_node + local_rank;
+  const int64_t restart_count = place.restart_count;
   environment["RANK"] = std::to_string(rank);
   environment["WORLD_SIZE"] = std::to_string(world_size);
   environment["LOCAL_RANK"] = std::to_string(local_rank);
   environment["LOCAL_WORLD_SIZE"] = std::to_string(options.nproc_per_node);
-  environment["GROUP_RANK"] = std::to_string(options.node_rank);
+  environment["GROUP_RANK"] = std::to_string(place.group_rank);
   environment["ROLE_RANK"] = std::to_string(rank);
   environment["ROLE_WORLD_SIZE"] = std::to_string(world_size);
   environment["MASTER_ADDR"] = options.master_addr;
@@ -67,6 +80,9 @@ EnvironmentMap worker_environment(const LaunchOptions& options, const Environmen
   // torchrun's names, which programs read to resume after a restart (Note [restarting a failed job]).
   environment["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_count);
   environment["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts);
+  // The launchers' store serves the workers too (Note [elastic rounds]), as torchrun's agent's does.
+  if (place.agent_store) environment["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  else environment.erase("TORCHELASTIC_USE_AGENT_STORE");
   // As torchrun: several processes each spawning one thread per core would oversubscribe the CPU.
   if (options.nproc_per_node > 1 && environment.find("OMP_NUM_THREADS") == environment.end()) {
     environment["OMP_NUM_THREADS"] = "1";
@@ -154,27 +170,34 @@ struct RoundResult {
   LaunchResult result;
   /// Ctrl-C or SIGTERM to the launcher: the job ends without a restart.
   bool interrupted = false;
+  /// Stopped because another machine's launcher reported a failure (Note [elastic rounds]).
+  bool stopped_on_request = false;
 };
 
 // One round: every local process started, run until all have exited, and what went wrong.
-RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, int64_t restart_count) {
+RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, const RoundPlace& place,
+                      std::function<std::optional<std::string>()> stop_requested = {}) {
   std::vector<ProcessSpec> specs;
   for (int64_t local_rank = 0; local_rank < options.nproc_per_node; ++local_rank) {
     ProcessSpec spec;
     spec.argv = options.command;
-    spec.environment = worker_environment(options, base, local_rank, restart_count);
+    spec.environment = worker_environment(options, base, local_rank, place);
     spec.label = "rank " + spec.environment["RANK"];
     spec.output = options.rank_prefix ? OutputMode::kLinePrefix : OutputMode::kInherit;
     specs.push_back(std::move(spec));
   }
   ProcessSetOptions set_options;
   set_options.termination_grace = options.termination_grace;
+  set_options.stop_requested = std::move(stop_requested);
   auto outcome = run_process_set(specs, set_options);
   RoundResult round;
   round.result.exit_code = outcome.exit_code;
   round.interrupted = outcome.interrupted;
+  round.stopped_on_request = outcome.stop_reason.has_value();
   std::ostringstream message;
-  if (outcome.first_failure) {
+  if (outcome.stop_reason && !outcome.interrupted) {
+    message << *outcome.stop_reason << "; stopped all " << specs.size() << " local process(es).";
+  } else if (outcome.first_failure) {
     message << specs[*outcome.first_failure].label << " (local rank " << *outcome.first_failure
             << ") failed first, with " << describe_exit(outcome.exit_code) << "; stopped the other "
             << (specs.size() - 1) << " local process(es)";
@@ -208,16 +231,95 @@ RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, 
 // other; a port picked with --master-port 0 is picked again. The program decides what a restart
 // means: Accelerator::resume_after_restart() loads the latest complete checkpoint when the count is
 // above 0 (train_llama calls it when --resume-from is not given), so a job resumes without being
-// told and loses at most the steps since that checkpoint. Unlike torchrun's elastic agent, one
-// launcher restarts one machine's ranks only: with --nnodes above 1 the launchers would have to agree
-// on the round through the store first, which they do not yet, so restarts are refused there.
+// told and loses at most the steps since that checkpoint. With several machines every launcher
+// restarts its machine's ranks in the same round, agreed through the store, and the round may have
+// fewer machines than the last (Note [elastic rounds]).
+
+namespace {
+
+std::string list_of(const std::vector<int64_t>& values) {
+  std::string text;
+  for (const auto value : values) text += (text.empty() ? "" : ", ") + std::to_string(value);
+  return text;
+}
+
+// Note [elastic rounds]: the job as rounds agreed with the other machines' launchers.
+LaunchResult launch_elastic(const LaunchOptions& options, const EnvironmentMap& base) {
+  ElasticRendezvous rendezvous(options);
+  std::optional<RoundMembership> last;
+  for (int64_t round = 0;; ++round) {
+    auto membership = rendezvous.join(round);
+    if (!membership) {
+      LaunchResult result;
+      result.exit_code = 1;
+      result.message = "the job ended while this machine (--node-rank " + std::to_string(options.node_rank) +
+                       ") waited to join it; a machine that arrives while a round runs joins at the next restart, "
+                       "and there was none.";
+      return result;
+    }
+    round = membership->round;
+    const bool shrunk = static_cast<int64_t>(membership->node_ranks.size()) < options.nnodes;
+    if (options.report_restart && (round > 0 || shrunk)) {
+      std::string line = "round " + std::to_string(round) + ": " + std::to_string(membership->node_ranks.size()) +
+                         " of up to " + std::to_string(options.nnodes) + " machines (node ranks " +
+                         list_of(membership->node_ranks) + "), " + std::to_string(membership->world_size) + " ranks";
+      if (last && last->world_size != membership->world_size) line += " (was " + std::to_string(last->world_size) + ")";
+      line += "; this machine runs ranks " + std::to_string(membership->first_rank) + " to " +
+              std::to_string(membership->first_rank + options.nproc_per_node - 1) + ".";
+      options.report_restart(line);
+    }
+    last = membership;
+    const RoundPlace place{membership->group_rank, static_cast<int64_t>(membership->node_ranks.size()), round, true};
+    auto stop = [&rendezvous, round]() -> std::optional<std::string> {
+      if (auto failure = rendezvous.failure(round)) return failure->message;
+      return std::nullopt;
+    };
+    auto [result, interrupted, stopped] = run_round(options, base, place, stop);
+    RoundFailure failure;
+    if (result.exit_code == 0 && !interrupted) {
+      if (rendezvous.finish_round(*membership)) {
+        rendezvous.leave(*membership, 0);
+        return result;
+      }
+      failure = *rendezvous.failure(round);
+      result.exit_code = failure.exit_code;
+      result.message = "this machine's processes finished, but " + failure.message;
+    } else if (stopped) {
+      failure = *rendezvous.failure(round);
+      result.exit_code = failure.exit_code;
+    } else {
+      result.message = "on node rank " + std::to_string(options.node_rank) + ", " + result.message;
+      failure = rendezvous.report_failure(round, RoundFailure{result.exit_code, result.message, interrupted});
+    }
+    if (interrupted || failure.interrupted) {
+      rendezvous.leave(*membership, result.exit_code);
+      return result;
+    }
+    if (round >= options.max_restarts) {
+      result.message += " No restart left (--max-restarts " + std::to_string(options.max_restarts) + ", " +
+                        std::to_string(round) + " made).";
+      rendezvous.leave(*membership, result.exit_code);
+      return result;
+    }
+    if (options.report_restart) {
+      options.report_restart(result.message + " Restarting: this machine joins round " + std::to_string(round + 1) +
+                             " (restart " + std::to_string(round + 1) + " of " + std::to_string(options.max_restarts) +
+                             "), which goes on with the machines that join it (at least " +
+                             std::to_string(min_nodes(options)) + ").");
+    }
+  }
+}
+
+}  // namespace
+
 LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
   validate(options);
   resolve_program(options.command.front(), base);  // a clear error before anything starts
+  if (is_elastic(options)) return launch_elastic(options, base);
   const bool pick_port = options.master_port == 0;
   for (int64_t restart = 0;; ++restart) {
     if (pick_port) options.master_port = pick_free_port();
-    auto [result, interrupted] = run_round(options, base, restart);
+    auto [result, interrupted, stopped] = run_round(options, base, RoundPlace{options.node_rank, options.nnodes, restart});
     if (result.exit_code == 0 || interrupted || restart >= options.max_restarts) {
       if (result.exit_code != 0 && options.max_restarts > 0 && !interrupted) {
         result.message += " No restart left (--max-restarts " + std::to_string(options.max_restarts) + ", " +

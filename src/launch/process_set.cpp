@@ -285,6 +285,8 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
   }
 
   const auto started = Clock::now();
+  auto next_stop_poll = started + options.stop_poll_interval;
+  std::exception_ptr stop_error;
   std::optional<Clock::time_point> kill_deadline;  // set once the set is being stopped
   auto stop_all = [&](int signal_number) {
     if (kill_deadline) return;
@@ -358,6 +360,18 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
       result.interrupted = true;
       stop_all(signal_number);
     }
+    if (options.stop_requested && !kill_deadline && Clock::now() >= next_stop_poll) {
+      next_stop_poll = Clock::now() + options.stop_poll_interval;
+      try {
+        if (auto reason = options.stop_requested()) {
+          result.stop_reason = std::move(reason);
+          stop_all(SIGTERM);
+        }
+      } catch (...) {
+        stop_error = std::current_exception();
+        stop_all(SIGTERM);
+      }
+    }
     if (options.timeout && !kill_deadline && Clock::now() - started > *options.timeout) {
       result.timed_out = true;
       result.exit_code = 124;
@@ -372,6 +386,7 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
   if (kill_deadline) signal_all(children, SIGKILL);
   // A signal after the loop's last look still ends the job: the launcher must not restart it.
   if (received_signal.exchange(0) != 0 && options.forward_signals) result.interrupted = true;
+  if (stop_error && !result.interrupted) std::rethrow_exception(stop_error);
   return result;
 }
 

@@ -7,6 +7,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <optional>
 #include <string>
 #include <vector>
@@ -43,6 +44,12 @@ struct ProcessSetOptions {
   std::optional<std::chrono::milliseconds> timeout;
   /// Forward SIGINT/SIGTERM received by this process to the children and stop. Default: true.
   bool forward_signals = true;
+  /// Asked every `stop_poll_interval` while children run: a reason stops the set as a failure would
+  /// (another machine's launcher saw one; Note [elastic rounds]). An exception from it stops the set
+  /// and is rethrown once every child is gone. Default: none.
+  std::function<std::optional<std::string>()> stop_requested;
+  /// Default: 250 ms.
+  std::chrono::milliseconds stop_poll_interval{250};
 };
 
 struct ProcessOutcome {
@@ -63,6 +70,8 @@ struct ProcessSetResult {
   /// did comes after it.
   std::vector<size_t> failure_order;
   bool timed_out = false;
+  /// Why ProcessSetOptions::stop_requested stopped the set, if it did (before any child failed).
+  std::optional<std::string> stop_reason;
   /// This process received SIGINT or SIGTERM (also after a child had failed).
   bool interrupted = false;
   std::vector<ProcessOutcome> outcomes;

@@ -11,6 +11,7 @@
 #include <fstream>
 #include <sstream>
 #include <thread>
+#include <tuple>
 
 namespace fsdp {
 namespace {
@@ -226,11 +227,19 @@ TEST_F(LaunchTest, InconsistentFlagsAreRejected) {
   result = run({"launch", "--max-restarts", "-1", "--", "true"});
   EXPECT_EQ(result.exit_code, 1) << result.output;
   EXPECT_NE(result.output.find("--max-restarts -1 must be 0 or more"), std::string::npos) << result.output;
-  result = run({"launch", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "1234", "--max-restarts", "1",
-                "--", "true"});
-  EXPECT_EQ(result.exit_code, 1) << result.output;
-  EXPECT_NE(result.output.find("--max-restarts 1 with --nnodes 2 is not supported yet"), std::string::npos)
-      << result.output;
+  // --nnodes MIN:MAX and --rdzv-conf, torchrun's: usage errors, naming the value.
+  for (const auto& [flag, value, expected] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"--nnodes", "3:2", "--nnodes 3:2 is not MIN:MAX with 1 <= MIN <= MAX"},
+           {"--nnodes", "0:2", "--nnodes 0:2 is not MIN:MAX with 1 <= MIN <= MAX"},
+           {"--nnodes", "two", "--nnodes 'two' is not N or MIN:MAX"},
+           {"--nnodes", "1:", "--nnodes '1:' is not N or MIN:MAX"},
+           {"--rdzv-conf", "read_timeout=3", "--rdzv-conf 'read_timeout=3' is not join_timeout=SECONDS or "
+                                             "last_call_timeout=SECONDS"},
+           {"--rdzv-conf", "join_timeout=soon", "--rdzv-conf join_timeout=soon: expected seconds in [0, 86400]"}}) {
+    result = run({"launch", flag, value, "--", "true"});
+    EXPECT_EQ(result.exit_code, 2) << value << ": " << result.output;
+    EXPECT_NE(result.output.find(expected), std::string::npos) << result.output;
+  }
   result = run({"launch", "--nproc-per-node", "zero", "--", "true"});
   EXPECT_EQ(result.exit_code, 2) << result.output;
   EXPECT_NE(result.output.find("--nproc-per-node"), std::string::npos) << result.output;

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -74,6 +75,50 @@ class TwoHosts : public ::testing::Test {
            FSDP_CLI_PATH + " launch --nnodes 2 --node-rank " + std::to_string(host) + " --nproc-per-node 2" +
            " --master-addr " + addresses_[0] + " --master-port " + std::to_string(port_) + " -- " +
            FSDP_TRAIN_LLAMA_PATH + " " + flags;
+  }
+
+  // The same with launch flags of the test's own (--nnodes MIN:MAX, --max-restarts, --rdzv-conf).
+  std::string elastic_command(int host, const std::string& launch_flags, const std::string& program) const {
+    return "ip netns exec " + namespaces_[host] + " env GLOO_SOCKET_IFNAME=" + links_[host] + " " + FSDP_CLI_PATH +
+           " launch " + launch_flags + " --node-rank " + std::to_string(host) + " --nproc-per-node 2 --master-addr " +
+           addresses_[0] + " --master-port " + std::to_string(port_) + " -- " + program;
+  }
+
+  // Runs `command` in the background; its exit status lands in `status` once it ends.
+  static void start(const std::string& command, const std::string& log, const std::string& status) {
+    run_command("(" + command + " > " + log + " 2>&1; echo $? > " + status + ".tmp; mv " + status + ".tmp " + status +
+                ") > /dev/null 2>&1 < /dev/null &");
+  }
+
+  // Waits up to `limit` for `status` and returns the exit status, or -1.
+  static int wait_for(const std::string& status, std::chrono::seconds limit) {
+    const auto started = std::chrono::steady_clock::now();
+    while (!fs::exists(status) && std::chrono::steady_clock::now() - started < limit) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+    if (!fs::exists(status)) return -1;
+    std::ifstream file(status);
+    int code = -1;
+    file >> code;
+    return code;
+  }
+
+  static std::string read(const std::string& path) {
+    std::ifstream file(path);
+    std::stringstream text;
+    text << file.rdbuf();
+    return text.str();
+  }
+
+  static std::map<int64_t, double> losses_by_step(const fs::path& directory) {
+    std::map<int64_t, double> values;
+    std::ifstream file(directory / "metrics.jsonl");
+    std::string line;
+    while (std::getline(file, line)) {
+      const auto record = nlohmann::json::parse(line);
+      values[record.at("step").get<int64_t>()] = record.at("loss").get<double>();
+    }
+    return values;
   }
 
   std::string train_flags(const std::string& directory, int steps) const {
@@ -162,6 +207,168 @@ TEST_F(TwoHosts, KillingHostOnesRanksStopsHostZeroWithinTenSecondsNamingThem) {
                                                       address1 + "\\]")))
       << "host 0's error does not name a rank or the address of host 1: " << log.str();
   EXPECT_NE(log.str().find("fsdp launch: rank "), std::string::npos) << log.str();
+}
+
+// Issue "Training that survives a lost machine", item 2 (Note [elastic rounds]): host 1's launcher
+// and ranks killed; host 0 goes on alone (--nnodes 1:2) from the latest complete checkpoint, on 2
+// ranks accumulating twice as much, with the losses of the same checkpoint resumed by hand there.
+TEST_F(TwoHosts, LosingHostOneLeavesHostZeroToFinishAloneWithTheLossesOfAResumeByHand) {
+  const auto directory = (root_ / "elastic").string();
+  const auto flags = train_flags(directory, 14) + " --checkpoint-every 2 --total-limit 0 --micro-batch-size 2";
+  const auto launch_flags = std::string("--nnodes 1:2 --max-restarts 1 --rdzv-conf last_call_timeout=2,join_timeout=120");
+  const auto log0 = (root_ / "host0.log").string(), status0 = (root_ / "host0.status").string();
+  start(elastic_command(1, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags), (root_ / "host1.log").string(),
+        (root_ / "host1.status").string());
+  start(elastic_command(0, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags), log0, status0);
+  const auto started = std::chrono::steady_clock::now();
+  while (losses(directory).size() < 5 && !fs::exists(status0) &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(120)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  const auto steps_at_kill = static_cast<int64_t>(losses(directory).size());
+  ASSERT_GE(steps_at_kill, 5) << "the two hosts did not train: " << read(log0);
+  ASSERT_FALSE(fs::exists(status0)) << read(log0);
+  run_command("ip netns pids " + namespaces_[1] + " | xargs -r kill -9");
+  ASSERT_EQ(wait_for(status0, std::chrono::seconds(180)), 0) << read(log0);
+  const auto log = read(log0);
+  EXPECT_NE(log.find("fsdp launch: on node rank 0, rank "), std::string::npos) << log;
+  EXPECT_NE(log.find("Restarting: this machine joins round 1 (restart 1 of 1)"), std::string::npos) << log;
+  EXPECT_NE(log.find("round 1: 1 of up to 2 machines (node ranks 0), 2 ranks (was 4)"), std::string::npos) << log;
+  EXPECT_NE(log.find("the checkpoint was saved by 4 ranks and this run has 2: --global-batch-size 8 is kept, each "
+                     "rank accumulating 2 micro-batch(es) of 2 per step (was 1 of 2)"),
+            std::string::npos)
+      << log;
+  std::smatch resumed;
+  ASSERT_TRUE(std::regex_search(log, resumed, std::regex("restart 1 of 1: resumed from (\\S+) at step (\\d+)"))) << log;
+  const auto checkpoint = resumed[1].str();
+  const int64_t step = std::stoll(resumed[2].str());
+  // At most the steps since the last complete checkpoint are lost (one is saved every 2 steps).
+  EXPECT_GE(step, steps_at_kill - 2) << log;
+
+  const auto by_hand = (root_ / "by_hand").string();
+  auto result = run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- " +
+                            FSDP_TRAIN_LLAMA_PATH + " " + train_flags(by_hand, 14) +
+                            " --checkpoint-every 2 --micro-batch-size 2 --resume-from " + checkpoint);
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto expected = losses_by_step(by_hand);
+  const auto found = losses_by_step(directory);
+  ASSERT_EQ(expected.size(), static_cast<size_t>(14 - step)) << result.output;
+  for (int64_t at = 1; at <= 14; ++at) EXPECT_EQ(found.count(at), 1u) << "step " << at << " missing: " << log;
+  for (const auto& [at, loss] : expected) {
+    ASSERT_EQ(found.count(at), 1u) << at;
+    EXPECT_NEAR(found.at(at), loss, 1e-5) << "step " << at;
+  }
+}
+
+// A rank killed on host 1 (its launcher lives): both launchers start round 1 with all 4 ranks, and
+// the run ends with the losses of one that was never interrupted (on one host, 4 ranks).
+TEST_F(TwoHosts, ARankKilledOnHostOneRestartsBothHostsAndTheLossesAreThoseOfARunWithoutIt) {
+  const auto one_host = (root_ / "one_host").string();
+  const auto flags = [&](const std::string& directory) { return train_flags(directory, 10) + " --checkpoint-every 2"; };
+  auto result = run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 4 --master-port 0 -- " +
+                            FSDP_TRAIN_LLAMA_PATH + " " + flags(one_host));
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto directory = (root_ / "restarted").string();
+  const auto launch_flags = std::string("--nnodes 2 --max-restarts 1");
+  const auto log0 = (root_ / "host0.log").string(), status0 = (root_ / "host0.status").string();
+  const auto log1 = (root_ / "host1.log").string(), status1 = (root_ / "host1.status").string();
+  start(elastic_command(1, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags(directory)), log1, status1);
+  start(elastic_command(0, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags(directory)), log0, status0);
+  const auto started = std::chrono::steady_clock::now();
+  while (losses(directory).size() < 3 && !fs::exists(status0) &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(120)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_GE(losses(directory).size(), 3u) << read(log0);
+  // One of host 1's train_llama processes, not its launcher.
+  run_command("for pid in $(ip netns pids " + namespaces_[1] + "); do if tr '\\0' ' ' < /proc/$pid/cmdline | "
+              "grep -q '^[^ ]*train_llama '; then kill -9 $pid; break; fi; done");
+  ASSERT_EQ(wait_for(status0, std::chrono::seconds(180)), 0) << read(log0);
+  ASSERT_EQ(wait_for(status1, std::chrono::seconds(30)), 0) << read(log1);
+  const auto host1 = read(log1);
+  EXPECT_TRUE(std::regex_search(host1, std::regex("on node rank 1, rank [23] \\(local rank [01]\\) failed first, "
+                                                  "with exit code 137 \\(SIGKILL\\)")))
+      << host1;
+  EXPECT_NE(read(log0).find("round 1: 2 of up to 2 machines (node ranks 0, 1), 4 ranks; this machine runs ranks 0 to 1."),
+            std::string::npos)
+      << read(log0);
+  const auto expected = losses_by_step(one_host);
+  const auto found = losses_by_step(directory);
+  ASSERT_EQ(found.size(), 10u) << read(log0);
+  for (const auto& [at, loss] : expected) EXPECT_NEAR(found.at(at), loss, 1e-5) << "step " << at;
+}
+
+// A machine that arrives while a round runs: host 1 starts once round 0 runs on host 0 alone
+// (--nnodes 1:2), waits, and joins round 1 when host 0's processes fail; round 1 runs on both, with
+// the ranks, world size, GROUP_RANK and restart count of two machines. (torchrun's agents would
+// restart the running round to admit it; Note [elastic rounds].)
+TEST_F(TwoHosts, AMachineThatArrivesWhileARoundRunsJoinsAtTheNextRestart) {
+  const auto file = [&](const std::string& name) { return (root_ / name).string(); };
+  const std::string program =
+      "sh -c 'echo $RANK $WORLD_SIZE $GROUP_RANK $TORCHELASTIC_RESTART_COUNT >> " + file("ranks_") + "$RANK; " +
+      "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then touch " + file("round_0") + "; while [ ! -e " + file("host1") +
+      " ]; do sleep 0.05; done; sleep 1; exit 3; fi'";
+  // A last call of 3 s: host 1, started 1 s before host 0's processes fail, is there for round 1.
+  const auto launch_flags = std::string("--nnodes 1:2 --max-restarts 1 --rdzv-conf last_call_timeout=3");
+  const auto log0 = file("host0.log"), status0 = file("host0.status");
+  const auto log1 = file("host1.log"), status1 = file("host1.status");
+  start(elastic_command(0, launch_flags, program), log0, status0);
+  const auto started = std::chrono::steady_clock::now();
+  while (!fs::exists(file("round_0")) && !fs::exists(status0) &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(fs::exists(file("round_0"))) << read(log0);
+  start("touch " + file("host1") + "; " + elastic_command(1, launch_flags, program), log1, status1);
+  ASSERT_EQ(wait_for(status0, std::chrono::seconds(60)), 0) << read(log0);
+  ASSERT_EQ(wait_for(status1, std::chrono::seconds(30)), 0) << read(log1);
+  // RANK WORLD_SIZE GROUP_RANK TORCHELASTIC_RESTART_COUNT, a line per round the rank ran in.
+  EXPECT_EQ(read(file("ranks_0")), "0 2 0 0\n0 4 0 1\n");
+  EXPECT_EQ(read(file("ranks_1")), "1 2 0 0\n1 4 0 1\n");
+  EXPECT_EQ(read(file("ranks_2")), "2 4 1 1\n");
+  EXPECT_EQ(read(file("ranks_3")), "3 4 1 1\n");
+  const auto host0 = read(log0), host1 = read(log1);
+  EXPECT_NE(host0.find("round 0: 1 of up to 2 machines (node ranks 0), 2 ranks; this machine runs ranks 0 to 1."),
+            std::string::npos)
+      << host0;
+  EXPECT_NE(host0.find("fsdp launch: on node rank 0, rank "), std::string::npos) << host0;
+  EXPECT_NE(host0.find("round 1: 2 of up to 2 machines (node ranks 0, 1), 4 ranks (was 2); this machine runs ranks 0 "
+                       "to 1."),
+            std::string::npos)
+      << host0;
+  EXPECT_NE(host1.find("round 1: 2 of up to 2 machines (node ranks 0, 1), 4 ranks; this machine runs ranks 2 to 3."),
+            std::string::npos)
+      << host1;
+}
+
+// Fewer than MIN machines: the host waits out the join timeout, then every launcher there names
+// who is present and exits non-zero. The machine hosting the store lost: the others say so.
+TEST_F(TwoHosts, FewerThanMinMachinesAndALostStoreHostAreNamedErrors) {
+  const auto log0 = (root_ / "alone.log").string(), status0 = (root_ / "alone.status").string();
+  start(elastic_command(0, "--nnodes 2:2 --max-restarts 1 --rdzv-conf join_timeout=2", "true"), log0, status0);
+  EXPECT_EQ(wait_for(status0, std::chrono::seconds(30)), 1) << read(log0);
+  EXPECT_TRUE(std::regex_search(read(log0), std::regex("round 0: only 1 of at least 2 machines \\(--nnodes 2:2\\) "
+                                                       "joined within the join timeout of 2 s; present: node rank 0")))
+      << read(log0);
+
+  ++port_;
+  const auto log1 = (root_ / "orphan.log").string(), status1 = (root_ / "orphan.status").string();
+  start(elastic_command(1, "--nnodes 1:2 --max-restarts 1", "sleep 100"), log1, status1);
+  start(elastic_command(0, "--nnodes 1:2 --max-restarts 1", "sleep 100"), (root_ / "host0.log").string(),
+        (root_ / "host0.status").string());
+  // Both run their processes once host 1's show in its namespace.
+  const auto started = std::chrono::steady_clock::now();
+  while (run_command("ip netns pids " + namespaces_[1] + " | xargs -r ps -o comm= -p | grep -q sleep").exit_code != 0 &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  }
+  run_command("ip netns pids " + namespaces_[0] + " | xargs -r kill -9");
+  EXPECT_EQ(wait_for(status1, std::chrono::seconds(30)), 1) << read(log1);
+  EXPECT_NE(read(log1).find("the launchers' rendezvous store at " + addresses_[0] + ":" + std::to_string(port_) +
+                            " failed"),
+            std::string::npos)
+      << read(log1);
+  EXPECT_NE(read(log1).find("without it the job cannot go on"), std::string::npos) << read(log1);
 }
 
 }  // namespace

@@ -439,6 +439,22 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
                   "; resume with the same settings so that data and schedule continue exactly");
     }
     if (resumed->scheduler.count("eval_loss")) last_eval = resumed->scheduler.at("eval_loss");
+    // A job restarted on fewer machines (`fsdp launch --nnodes MIN:MAX`), or resumed by hand on
+    // another number of ranks, keeps --global-batch-size: the same sequences per step, split over
+    // the ranks there are now, each accumulating more micro-batches.
+    auto saved_world = resumed->scheduler.find("world_size");
+    if (saved_world != resumed->scheduler.end() && saved_world->second != static_cast<double>(world)) {
+      const auto saved_micro = resumed->scheduler.find("micro_batch_size");
+      const int64_t saved = static_cast<int64_t>(saved_world->second);
+      const int64_t was_micro = saved_micro == resumed->scheduler.end() ? settings.global_batch_size / std::max<int64_t>(saved, 1)
+                                                                        : static_cast<int64_t>(saved_micro->second);
+      const int64_t was_accumulation = settings.global_batch_size / std::max<int64_t>(saved * was_micro, 1);
+      accelerator.print("the checkpoint was saved by " + std::to_string(saved) + " ranks and this run has " +
+                        std::to_string(world) + ": --global-batch-size " + std::to_string(settings.global_batch_size) +
+                        " is kept, each rank accumulating " + std::to_string(accumulation) + " micro-batch(es) of " +
+                        std::to_string(micro) + " per step (was " + std::to_string(was_accumulation) + " of " +
+                        std::to_string(was_micro) + ")");
+    }
   }
   const bool main = context.is_main_process();
   std::optional<train_llama::MetricsLog> metrics;
@@ -516,6 +532,9 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     if (checkpoint_now) {
       auto scheduler = resume_settings(settings);
       if (!std::isnan(last_eval)) scheduler["eval_loss"] = last_eval;
+      // Not a setting a resumed run must share: one on fewer ranks accumulates more (below).
+      scheduler["world_size"] = static_cast<double>(world);
+      scheduler["micro_batch_size"] = static_cast<double>(micro);
       fsdp::SaveStateOptions save_options;
       save_options.async = settings.async_checkpoint;
       const auto directory =

@@ -15,6 +15,7 @@
 #include <deque>
 #include <functional>
 #include <future>
+#include <optional>
 #include <thread>
 
 namespace fsdp::detail {
@@ -140,6 +141,10 @@ void wait_works(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const 
                 std::chrono::milliseconds timeout);
 
 c10d::ReduceOp to_c10d(ReduceOp op);
+
+/// A socket listening on address:port for a store to take (TCPStoreOptions::masterListenFd), or
+/// nullopt with the reason in `why` where the address is not this machine's or cannot be bound.
+std::optional<int> listen_on_address(const std::string& address, int port, int64_t backlog, std::string& why);
 
 // --- nccl.cpp (a CUDA build) or no_nccl.cpp -----------------------------------------------------------
 

@@ -2,6 +2,7 @@
 // (or by torchrun's agent), and the Gloo transport device the groups share.
 #include "dist/c10d/internal.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
 #include <netdb.h>
@@ -33,19 +34,19 @@ std::shared_ptr<::gloo::transport::Device> create_device(const DistributedEnviro
   return c10d::ProcessGroupGloo::createDefaultDevice();
 }
 
-// The store rank 0 hosts for the rendezvous has no authentication: it listens only where the
-// others connect, MASTER_ADDR's own address (loopback for one machine), not on every interface as
-// c10d's TCPStore does by itself. A listening socket is returned for TCPStoreOptions::masterListenFd
-// (the store owns it from then on); nullopt, with the reason in `why`, where MASTER_ADDR is not an
-// address of this machine.
-std::optional<int> listen_on_master_address(const DistributedEnvironment& environment, std::string& why) {
+}  // namespace
+
+// The stores fsdp.cpp hosts (rank 0's for the rendezvous, the launchers' agent store) have no
+// authentication: they listen only where the others connect, the given address (loopback for one
+// machine), not on every interface as c10d's TCPStore does by itself.
+std::optional<int> listen_on_address(const std::string& address, int port, int64_t backlog, std::string& why) {
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_NUMERICSERV;
   addrinfo* found = nullptr;
-  const auto port = std::to_string(environment.master_port);
-  const int resolved = ::getaddrinfo(environment.master_addr.c_str(), port.c_str(), &hints, &found);
+  const auto port_text = std::to_string(port);
+  const int resolved = ::getaddrinfo(address.c_str(), port_text.c_str(), &hints, &found);
   if (resolved != 0) {
     why = std::string("it does not resolve: ") + ::gai_strerror(resolved);
     return std::nullopt;
@@ -57,7 +58,7 @@ std::optional<int> listen_on_master_address(const DistributedEnvironment& enviro
     const int yes = 1;
     ::setsockopt(descriptor, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
     if (::bind(descriptor, candidate->ai_addr, candidate->ai_addrlen) == 0 &&
-        ::listen(descriptor, static_cast<int>(std::min<int64_t>(environment.world_size + 16, SOMAXCONN))) == 0) {
+        ::listen(descriptor, static_cast<int>(std::min<int64_t>(backlog, SOMAXCONN))) == 0) {
       result = descriptor;
     } else {
       why = std::string("binding it failed: ") + std::strerror(errno);
@@ -67,8 +68,6 @@ std::optional<int> listen_on_master_address(const DistributedEnvironment& enviro
   ::freeaddrinfo(found);
   return result;
 }
-
-}  // namespace
 
 std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironment& environment) {
   // A peer that dies closes its connections, and the next write to one raises SIGPIPE, whose default
@@ -85,12 +84,13 @@ std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironm
   options.port = static_cast<std::uint16_t>(environment.master_port);
   options.isServer = environment.rank == 0 && !environment.use_agent_store;
   options.numWorkers = static_cast<size_t>(environment.world_size);
-  options.waitWorkers = true;
+  options.waitWorkers = !environment.use_agent_store;
   options.timeout = environment.timeout;
   const double timeout_seconds = environment.timeout.count() / 1000.0;
   if (options.isServer) {
     std::string why;
-    options.masterListenFd = listen_on_master_address(environment, why);
+    options.masterListenFd = listen_on_address(environment.master_addr, environment.master_port,
+                                               environment.world_size + 16, why);
     // A port already taken is reported by TCPStore below, as before.
     if (!options.masterListenFd && why.find(std::strerror(EADDRINUSE)) == std::string::npos) {
       TORCH_WARN("[rank 0] rendezvous: the store cannot listen on MASTER_ADDR=", environment.master_addr, " (", why,
@@ -114,6 +114,12 @@ std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironm
                 error.what(),
                 ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, and that the port is "
                 "reachable from this machine (FSDP_COLLECTIVE_TIMEOUT sets the timeout).");
+  }
+  if (environment.use_agent_store) {
+    // The agent's store outlives the rounds of a restarted job, so each round's keys are its own,
+    // under torchrun's prefix (torch.distributed.rendezvous does the same for its workers).
+    backend->store = c10::make_intrusive<c10d::PrefixStore>(
+        "/worker/attempt_" + std::to_string(environment.restart_count), backend->store);
   }
   backend->device = create_device(environment);
   return backend;
