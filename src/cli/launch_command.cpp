@@ -24,7 +24,8 @@ void apply_config_to_launch(const AccelerateConfig& config, const CLI::App& app,
   }
   if (config.num_processes && app.count("--nproc-per-node") == 0) {
     TORCH_CHECK(*config.num_processes % options.nnodes == 0, "config file '", config.path, "': num_processes ",
-                *config.num_processes, " is not a multiple of num_machines ", options.nnodes,
+                *config.num_processes, " is not a multiple of ",
+                nnodes_given ? "--nnodes (its MAX) " : "num_machines ", options.nnodes,
                 "; every machine runs the same number of processes.");
     options.nproc_per_node = *config.num_processes / options.nnodes;
   }
@@ -174,6 +175,11 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
     if (options->command.empty()) options->command = command_after_separator;
     options->termination_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000.0));
     options->report_restart = [](const std::string& line) { std::cerr << "fsdp launch: " << line << std::endl; };
+    if (app->count("--rdzv-conf") > 0 && !detail::is_elastic(*options)) {
+      std::cerr << "fsdp launch: warning: --rdzv-conf is ignored: it sets the rounds of a job of several machines "
+                   "with --max-restarts or --nnodes MIN:MAX, and this one has a fixed rendezvous (--nnodes "
+                << options->nnodes << ", --max-restarts " << options->max_restarts << ")." << std::endl;
+    }
     auto result = detail::launch(*options, current_process_environment());
     if (!result.message.empty()) std::cerr << "fsdp launch: " << result.message << std::endl;
     return result.exit_code;

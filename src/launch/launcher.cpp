@@ -73,6 +73,7 @@ EnvironmentMap worker_environment(const LaunchOptions& options, const Environmen
   environment["LOCAL_RANK"] = std::to_string(local_rank);
   environment["LOCAL_WORLD_SIZE"] = std::to_string(options.nproc_per_node);
   environment["GROUP_RANK"] = std::to_string(place.group_rank);
+  environment["GROUP_WORLD_SIZE"] = std::to_string(place.nodes);
   environment["ROLE_RANK"] = std::to_string(rank);
   environment["ROLE_WORLD_SIZE"] = std::to_string(world_size);
   environment["MASTER_ADDR"] = options.master_addr;
@@ -174,9 +175,17 @@ struct RoundResult {
   bool stopped_on_request = false;
 };
 
+// What a round of several machines adds (Note [elastic rounds]); neither may block.
+struct RoundHooks {
+  /// Another machine's failure, once seen: this machine's processes are stopped.
+  std::function<std::optional<std::string>()> stop_requested;
+  /// "rank 3 (local rank 1) failed first, with exit code 137 (SIGKILL)" and the code, at once.
+  std::function<void(const std::string&, int)> on_first_failure;
+};
+
 // One round: every local process started, run until all have exited, and what went wrong.
 RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, const RoundPlace& place,
-                      std::function<std::optional<std::string>()> stop_requested = {}) {
+                      const RoundHooks& hooks = {}) {
   std::vector<ProcessSpec> specs;
   for (int64_t local_rank = 0; local_rank < options.nproc_per_node; ++local_rank) {
     ProcessSpec spec;
@@ -188,7 +197,14 @@ RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, 
   }
   ProcessSetOptions set_options;
   set_options.termination_grace = options.termination_grace;
-  set_options.stop_requested = std::move(stop_requested);
+  set_options.stop_requested = hooks.stop_requested;
+  if (hooks.on_first_failure) {
+    set_options.on_first_failure = [&](size_t index, int exit_code) {
+      hooks.on_first_failure(specs[index].label + " (local rank " + std::to_string(index) + ") failed first, with " +
+                                 describe_exit(exit_code),
+                             exit_code);
+    };
+  }
   auto outcome = run_process_set(specs, set_options);
   RoundResult round;
   round.result.exit_code = outcome.exit_code;
@@ -196,7 +212,9 @@ RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, 
   round.stopped_on_request = outcome.stop_reason.has_value();
   std::ostringstream message;
   if (outcome.stop_reason && !outcome.interrupted) {
-    message << *outcome.stop_reason << "; stopped all " << specs.size() << " local process(es).";
+    const auto& reason = *outcome.stop_reason;
+    message << reason << (!reason.empty() && reason.back() == '.' ? " " : ". ") << "This machine stopped its "
+            << specs.size() << " local process(es).";
   } else if (outcome.first_failure) {
     message << specs[*outcome.first_failure].label << " (local rank " << *outcome.first_failure
             << ") failed first, with " << describe_exit(outcome.exit_code) << "; stopped the other "
@@ -246,15 +264,18 @@ std::string list_of(const std::vector<int64_t>& values) {
 // Note [elastic rounds]: the job as rounds agreed with the other machines' launchers.
 LaunchResult launch_elastic(const LaunchOptions& options, const EnvironmentMap& base) {
   ElasticRendezvous rendezvous(options);
+  const bool host = options.node_rank == 0;
+  const auto here = "on node rank " + std::to_string(options.node_rank) + ", ";
   std::optional<RoundMembership> last;
   for (int64_t round = 0;; ++round) {
-    auto membership = rendezvous.join(round);
+    int ended_with = 0;
+    auto membership = rendezvous.join(round, last, ended_with);
     if (!membership) {
       LaunchResult result;
-      result.exit_code = 1;
-      result.message = "the job ended while this machine (--node-rank " + std::to_string(options.node_rank) +
-                       ") waited to join it; a machine that arrives while a round runs joins at the next restart, "
-                       "and there was none.";
+      result.exit_code = ended_with;
+      result.message = "the job ended (" + describe_exit(ended_with) + ") while this machine (--node-rank " +
+                       std::to_string(options.node_rank) + ") waited to join it; a machine that arrives while a round "
+                       "runs joins at the next restart, and there was none.";
       return result;
     }
     round = membership->round;
@@ -270,28 +291,51 @@ LaunchResult launch_elastic(const LaunchOptions& options, const EnvironmentMap& 
     }
     last = membership;
     const RoundPlace place{membership->group_rank, static_cast<int64_t>(membership->node_ranks.size()), round, true};
-    auto stop = [&rendezvous, round]() -> std::optional<std::string> {
-      if (auto failure = rendezvous.failure(round)) return failure->message;
-      return std::nullopt;
-    };
-    auto [result, interrupted, stopped] = run_round(options, base, place, stop);
+    RoundResult outcome;
+    {
+      RoundWatch watch(rendezvous, round);
+      RoundHooks hooks;
+      hooks.stop_requested = [&watch] { return watch.stop_reason(); };
+      hooks.on_first_failure = [&](const std::string& message, int exit_code) {
+        watch.report(RoundFailure{exit_code, here + message, false});
+      };
+      try {
+        outcome = run_round(options, base, place, hooks);
+      } catch (const std::exception& error) {
+        // The others learn of it now rather than at their next collective's timeout.
+        const std::string what = dynamic_cast<const c10::Error*>(&error) != nullptr
+                                     ? static_cast<const c10::Error&>(error).what_without_backtrace()
+                                     : error.what();
+        watch.report(RoundFailure{1, here + "the launcher failed: " + what, false});
+        try {
+          watch.finish();
+        } catch (const std::exception&) {  // the launcher's own error is the one to raise
+        }
+        throw;
+      }
+      watch.finish();  // the store's error, which names it, ends the job here
+    }
+    auto& result = outcome.result;
     RoundFailure failure;
-    if (result.exit_code == 0 && !interrupted) {
+    if (outcome.stopped_on_request && !outcome.interrupted) {
+      failure = rendezvous.failure(round).value();
+      result.exit_code = failure.exit_code;
+    } else if (result.exit_code == 0 && !outcome.interrupted) {
       if (rendezvous.finish_round(*membership)) {
         rendezvous.leave(*membership, 0);
         return result;
       }
-      failure = *rendezvous.failure(round);
+      failure = rendezvous.failure(round).value();
       result.exit_code = failure.exit_code;
       result.message = "this machine's processes finished, but " + failure.message;
-    } else if (stopped) {
-      failure = *rendezvous.failure(round);
-      result.exit_code = failure.exit_code;
     } else {
-      result.message = "on node rank " + std::to_string(options.node_rank) + ", " + result.message;
-      failure = rendezvous.report_failure(round, RoundFailure{result.exit_code, result.message, interrupted});
+      result.message = here + result.message;
+      // A signal on a machine other than the host's (a preemption, say) takes that machine out of
+      // the job as a lost one would be: the others go on without it, as torchrun's agents do. On the
+      // host, whose store the others need, it ends the job.
+      failure = rendezvous.report_failure(round, RoundFailure{result.exit_code, result.message, outcome.interrupted && host});
     }
-    if (interrupted || failure.interrupted) {
+    if (outcome.interrupted || failure.interrupted) {
       rendezvous.leave(*membership, result.exit_code);
       return result;
     }

@@ -1,7 +1,7 @@
 // Private: `fsdp launch`, a torchrun-compatible launcher for one machine of a job.
 //
 // It starts --nproc-per-node copies of a program with torchrun's variables (RANK, WORLD_SIZE,
-// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
+// LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE, MASTER_ADDR, MASTER_PORT),
 // and they live and die together (see process_set.h). Rank 0's process hosts the store, as in
 // torchrun's static rendezvous. With --max-restarts K a failed job is started again, all of it, up to
 // K times (Note [restarting a failed job]); on several machines the launchers agree on each round

@@ -351,6 +351,7 @@ ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const Pr
         result.first_failure = index;
         result.exit_code = result.outcomes[index].exit_code;
         stop_all(SIGTERM);
+        if (options.on_first_failure) options.on_first_failure(index, result.exit_code);
       }
     }
 

@@ -44,10 +44,14 @@ struct ProcessSetOptions {
   std::optional<std::chrono::milliseconds> timeout;
   /// Forward SIGINT/SIGTERM received by this process to the children and stop. Default: true.
   bool forward_signals = true;
-  /// Asked every `stop_poll_interval` while children run: a reason stops the set as a failure would
-  /// (another machine's launcher saw one; Note [elastic rounds]). An exception from it stops the set
-  /// and is rethrown once every child is gone. Default: none.
+  /// Asked every `stop_poll_interval` while children run, and must not block: a reason stops the
+  /// set as a failure would (another machine's launcher saw one; Note [elastic rounds]). An exception
+  /// from it stops the set and is rethrown once every child is gone. Default: none.
   std::function<std::optional<std::string>()> stop_requested;
+  /// Called once, without blocking, when the first child fails (its index and exit code), as the
+  /// others are told to stop: another machine's launcher can then stop its own at once instead of
+  /// after this one's grace period (Note [elastic rounds]). Default: none.
+  std::function<void(size_t index, int exit_code)> on_first_failure;
   /// Default: 250 ms.
   std::chrono::milliseconds stop_poll_interval{250};
 };

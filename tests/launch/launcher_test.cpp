@@ -2,12 +2,15 @@
 #include "launch/launcher.h"
 #include "launch/process_set.h"
 
+#include "harness/python_peer.h"
+
 #include <c10/util/Exception.h>
 #include <torch/version.h>
 #include <gtest/gtest.h>
 
 #include <csignal>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <sstream>
 #include <thread>
@@ -156,6 +159,52 @@ TEST_F(LaunchTest, MaxRestartsStartsEveryRankAgainWithTheRestartCount) {
       << result.output;
 }
 
+// --max-restarts against the venv's real torchrun on the same program: every rank records
+// torchrun's variables in every round, rank 1 fails in rounds 0 and 1. Both give each rank the same
+// lines (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, GROUP_WORLD_SIZE, ROLE_RANK, ROLE_WORLD_SIZE,
+// TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS). Restarts run out: the same rounds; torchrun
+// exits 1 (ChildFailedError), fsdp launch with the failure's own code, on purpose (README).
+class TorchrunSideBySide : public LaunchTest {};
+
+TEST_F(TorchrunSideBySide, RestartsGiveEveryRoundTorchrunsVariables) {
+  for (const int failing_rounds : {2, 5}) {
+    SCOPED_TRACE("rank 1 fails in its first " + std::to_string(failing_rounds) + " rounds");
+    std::map<std::string, std::string> lines;
+    std::map<std::string, int> exit_codes;
+    for (const std::string launcher : {"torchrun", "fsdp"}) {
+      const auto prefix = path(launcher + "_" + std::to_string(failing_rounds) + "_rank_");
+      const std::string script =
+          "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $ROLE_RANK $ROLE_WORLD_SIZE "
+          "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS >> " + prefix + "$RANK; "
+          "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt " + std::to_string(failing_rounds) + " ]; then exit 3; fi";
+      detail::ProcessSpec spec;
+      spec.argv = launcher == "torchrun"
+                      ? std::vector<std::string>{testing::venv_python(), "-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval",
+                                                 "0.1", "--no-python", "sh", "-c", script}
+                      : std::vector<std::string>{FSDP_CLI_PATH, "launch", "--nproc-per-node", "2", "--master-port", "0",
+                                                 "--max-restarts", "2", "--", "sh", "-c", script};
+      spec.environment = current_process_environment();
+      spec.label = launcher;
+      spec.output = detail::OutputMode::kFile;
+      spec.output_path = path(launcher + ".log");
+      detail::ProcessSetOptions options;
+      options.timeout = std::chrono::seconds(120);
+      options.forward_signals = false;
+      exit_codes[launcher] = detail::run_process_set({spec}, options).outcomes.at(0).exit_code;
+      for (const auto rank : {"0", "1"}) lines[launcher + rank] = read(prefix + rank);
+      SCOPED_TRACE(read(spec.output_path));
+      EXPECT_FALSE(lines[launcher + "0"].empty());
+    }
+    EXPECT_EQ(lines["fsdp0"], lines["torchrun0"]);
+    EXPECT_EQ(lines["fsdp1"], lines["torchrun1"]);
+    // Three rounds either way: the first start and --max-restarts 2.
+    EXPECT_EQ(lines["fsdp1"], "1 2 1 2 0 1 1 2 0 2\n1 2 1 2 0 1 1 2 1 2\n1 2 1 2 0 1 1 2 2 2\n");
+    EXPECT_EQ(exit_codes["torchrun"], failing_rounds == 2 ? 0 : 1) << read(path("torchrun.log"));
+    EXPECT_EQ(exit_codes["fsdp"], failing_rounds == 2 ? 0 : 3) << read(path("fsdp.log"));
+  }
+}
+
 // Restarts run out: the last failure's code, and the line says none is left. Without the flag,
 // no restart at all (the default of 0, as torchrun).
 TEST_F(LaunchTest, ExhaustedRestartsExitWithTheLastFailuresCode) {
@@ -240,6 +289,10 @@ TEST_F(LaunchTest, InconsistentFlagsAreRejected) {
     EXPECT_EQ(result.exit_code, 2) << value << ": " << result.output;
     EXPECT_NE(result.output.find(expected), std::string::npos) << result.output;
   }
+  // --rdzv-conf where the rendezvous is fixed: a warning naming it, and the job runs.
+  result = run({"launch", "--master-port", "0", "--rdzv-conf", "join_timeout=5", "--", "true"});
+  EXPECT_EQ(result.exit_code, 0) << result.output;
+  EXPECT_NE(result.output.find("warning: --rdzv-conf is ignored"), std::string::npos) << result.output;
   result = run({"launch", "--nproc-per-node", "zero", "--", "true"});
   EXPECT_EQ(result.exit_code, 2) << result.output;
   EXPECT_NE(result.output.find("--nproc-per-node"), std::string::npos) << result.output;

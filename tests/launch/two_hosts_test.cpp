@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <map>
 #include <regex>
 #include <sstream>
@@ -258,6 +259,18 @@ TEST_F(TwoHosts, LosingHostOneLeavesHostZeroToFinishAloneWithTheLossesOfAResumeB
     ASSERT_EQ(found.count(at), 1u) << at;
     EXPECT_NEAR(found.at(at), loss, 1e-5) << "step " << at;
   }
+  // The global batch is kept: the whole run has the losses of one never interrupted on 4 ranks, up
+  // to the order of the sums (2 ranks accumulating 2 micro-batches each against 4 ranks one each).
+  const auto four = (root_ / "four_ranks").string();
+  result = run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 4 --master-port 0 -- " +
+                       FSDP_TRAIN_LLAMA_PATH + " " + train_flags(four, 14) + " --checkpoint-every 2 --micro-batch-size 2");
+  ASSERT_EQ(result.exit_code, 0) << result.output;
+  const auto uninterrupted = losses_by_step(four);
+  ASSERT_EQ(uninterrupted.size(), 14u) << result.output;
+  double largest = 0;
+  for (const auto& [at, loss] : uninterrupted) largest = std::max(largest, std::abs(found.at(at) - loss));
+  EXPECT_LT(largest, 1e-5) << "the largest difference from the run on 4 ranks";
+  std::cout << "largest loss difference from the uninterrupted 4-rank run: " << largest << std::endl;
 }
 
 // A rank killed on host 1 (its launcher lives): both launchers start round 1 with all 4 ranks, and
@@ -307,8 +320,8 @@ TEST_F(TwoHosts, AMachineThatArrivesWhileARoundRunsJoinsAtTheNextRestart) {
   const std::string program =
       "sh -c 'echo $RANK $WORLD_SIZE $GROUP_RANK $TORCHELASTIC_RESTART_COUNT >> " + file("ranks_") + "$RANK; " +
       "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then touch " + file("round_0") + "; while [ ! -e " + file("host1") +
-      " ]; do sleep 0.05; done; sleep 1; exit 3; fi'";
-  // A last call of 3 s: host 1, started 1 s before host 0's processes fail, is there for round 1.
+      " ]; do sleep 0.05; done; sleep 3; exit 3; fi'";
+  // Host 1 has 3 s to start and wait for round 1, which host 0 opens once its processes failed.
   const auto launch_flags = std::string("--nnodes 1:2 --max-restarts 1 --rdzv-conf last_call_timeout=3");
   const auto log0 = file("host0.log"), status0 = file("host0.status");
   const auto log1 = file("host1.log"), status1 = file("host1.status");
@@ -341,27 +354,82 @@ TEST_F(TwoHosts, AMachineThatArrivesWhileARoundRunsJoinsAtTheNextRestart) {
       << host1;
 }
 
-// Fewer than MIN machines: the host waits out the join timeout, then every launcher there names
-// who is present and exits non-zero. The machine hosting the store lost: the others say so.
-TEST_F(TwoHosts, FewerThanMinMachinesAndALostStoreHostAreNamedErrors) {
-  const auto log0 = (root_ / "alone.log").string(), status0 = (root_ / "alone.status").string();
-  start(elastic_command(0, "--nnodes 2:2 --max-restarts 1 --rdzv-conf join_timeout=2", "true"), log0, status0);
-  EXPECT_EQ(wait_for(status0, std::chrono::seconds(30)), 1) << read(log0);
-  EXPECT_TRUE(std::regex_search(read(log0), std::regex("round 0: only 1 of at least 2 machines \\(--nnodes 2:2\\) "
-                                                       "joined within the join timeout of 2 s; present: node rank 0")))
-      << read(log0);
+// A preemption: SIGTERM to host 1's launcher stops its processes and takes the machine out of the
+// job as a lost one (it exits 143); host 0 stops its own and goes on alone in round 1 (--nnodes 1:2),
+// as torchrun's agents do.
+TEST_F(TwoHosts, ASignalToHostOnesLauncherTakesItOutAndHostZeroGoesOnAlone) {
+  const auto file = [&](const std::string& name) { return (root_ / name).string(); };
+  const std::string program = "sh -c 'echo $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT >> " + file("ranks_") +
+                              "$RANK; if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then exec sleep 100; fi'";
+  const auto launch_flags =
+      std::string("--nnodes 1:2 --max-restarts 1 --termination-grace 1 --rdzv-conf last_call_timeout=1");
+  start(elastic_command(1, launch_flags, program), file("host1.log"), file("host1.status"));
+  start(elastic_command(0, launch_flags, program), file("host0.log"), file("host0.status"));
+  const auto started = std::chrono::steady_clock::now();
+  while (!(fs::exists(file("ranks_0")) && fs::exists(file("ranks_3"))) &&
+         std::chrono::steady_clock::now() - started < std::chrono::seconds(30)) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  ASSERT_TRUE(fs::exists(file("ranks_3"))) << read(file("host1.log"));
+  run_command("ip netns pids " + namespaces_[1] + " | xargs -r ps -o pid=,comm= -p | awk '$2 == \"fsdp\" {print $1}' | "
+              "xargs -r kill -TERM");
+  EXPECT_EQ(wait_for(file("host1.status"), std::chrono::seconds(30)), 143) << read(file("host1.log"));
+  ASSERT_EQ(wait_for(file("host0.status"), std::chrono::seconds(30)), 0) << read(file("host0.log"));
+  EXPECT_EQ(read(file("ranks_0")), "0 4 0\n0 2 1\n");
+  EXPECT_EQ(read(file("ranks_3")), "3 4 0\n");
+  const auto host0 = read(file("host0.log"));
+  EXPECT_NE(host0.find("on node rank 1, interrupted (exit code 143); stopped all 2 local process(es). This machine "
+                       "stopped its 2 local process(es). Restarting: this machine joins round 1"),
+            std::string::npos)
+      << host0;
+  EXPECT_NE(host0.find("round 1: 1 of up to 2 machines (node ranks 0), 2 ranks (was 4)"), std::string::npos) << host0;
+}
+
+// Fewer than MIN machines: the host waits out the join timeout, then every launcher names who is
+// present and exits 1. Launchers with other settings: every launcher names the one that differs.
+// The machine hosting the store lost: the others say so.
+TEST_F(TwoHosts, FewerThanMinMachinesDisagreeingLaunchersAndALostStoreHostAreNamedErrors) {
+  const auto file = [&](const std::string& name) { return (root_ / name).string(); };
+  auto both = [&](const std::string& flags0, const std::string& flags1, const std::string& program,
+                  const std::string& name) {
+    start(elastic_command(1, flags1, program), file(name + "1.log"), file(name + "1.status"));
+    start(elastic_command(0, flags0, program), file(name + "0.log"), file(name + "0.status"));
+  };
+  both("--nnodes 3:3 --max-restarts 1 --rdzv-conf join_timeout=3", "--nnodes 3:3 --max-restarts 1 --rdzv-conf join_timeout=3",
+       "true", "few");
+  for (const auto host : {"0", "1"}) {
+    EXPECT_EQ(wait_for(file(std::string("few") + host + ".status"), std::chrono::seconds(30)), 1) << host;
+    EXPECT_NE(read(file(std::string("few") + host + ".log"))
+                  .find("round 0: only 2 of at least 3 machines (--nnodes 3:3) joined within the join timeout of 3 s; "
+                        "present: node rank 0, 1."),
+              std::string::npos)
+        << read(file(std::string("few") + host + ".log"));
+  }
 
   ++port_;
-  const auto log1 = (root_ / "orphan.log").string(), status1 = (root_ / "orphan.status").string();
+  both("--nnodes 1:2 --max-restarts 1", "--nnodes 1:2 --max-restarts 2", "true", "differ");
+  for (const auto host : {"0", "1"}) {
+    EXPECT_EQ(wait_for(file(std::string("differ") + host + ".status"), std::chrono::seconds(30)), 1) << host;
+    EXPECT_TRUE(std::regex_search(read(file(std::string("differ") + host + ".log")),
+                                  std::regex("round 0: the launcher of --node-rank 1 \\(on \\S+\\) has --nproc-per-node 2 "
+                                             "--nnodes 1:2 --max-restarts 2 --termination-grace 3 but the host's are "
+                                             "--nproc-per-node 2 --nnodes 1:2 --max-restarts 1 --termination-grace 3; "
+                                             "every machine's launcher needs the same ones")))
+        << read(file(std::string("differ") + host + ".log"));
+  }
+
+  ++port_;
+  const auto log1 = file("orphan.log"), status1 = file("orphan.status");
   start(elastic_command(1, "--nnodes 1:2 --max-restarts 1", "sleep 100"), log1, status1);
-  start(elastic_command(0, "--nnodes 1:2 --max-restarts 1", "sleep 100"), (root_ / "host0.log").string(),
-        (root_ / "host0.status").string());
+  start(elastic_command(0, "--nnodes 1:2 --max-restarts 1", "sleep 100"), file("host0.log"), file("host0.status"));
   // Both run their processes once host 1's show in its namespace.
   const auto started = std::chrono::steady_clock::now();
   while (run_command("ip netns pids " + namespaces_[1] + " | xargs -r ps -o comm= -p | grep -q sleep").exit_code != 0 &&
          std::chrono::steady_clock::now() - started < std::chrono::seconds(30)) {
     std::this_thread::sleep_for(std::chrono::milliseconds(100));
   }
+  ASSERT_EQ(run_command("ip netns pids " + namespaces_[1] + " | xargs -r ps -o comm= -p | grep -q sleep").exit_code, 0)
+      << "host 1's processes never started: " << read(log1);
   run_command("ip netns pids " + namespaces_[0] + " | xargs -r kill -9");
   EXPECT_EQ(wait_for(status1, std::chrono::seconds(30)), 1) << read(log1);
   EXPECT_NE(read(log1).find("the launchers' rendezvous store at " + addresses_[0] + ":" + std::to_string(port_) +

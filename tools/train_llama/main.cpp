@@ -349,7 +349,8 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   try {
     TORCH_CHECK(micro > 0 && settings.global_batch_size % (world * micro) == 0, "--global-batch-size ",
                 settings.global_batch_size, " must be a multiple of ranks (", world, ") x --micro-batch-size (", micro,
-                ")");
+                "); a job that may go on with fewer machines (fsdp launch --nnodes MIN:MAX) needs one that every "
+                "world size from MIN to MAX machines divides");
     accumulation = settings.global_batch_size / (world * micro);
     config = settings.init_from.empty()
                  ? LlamaConfig::preset(settings.preset)
