@@ -62,6 +62,21 @@ def watch(path, process, until):
     return seen
 
 
+def first_step_after_restart(metrics, process, killed_at_lines, every):
+    """When the first step after a restart is logged, or None if `process` ends first. The restarted
+    round rewrites metrics.jsonl up to its checkpoint's step (the last multiple of `every`) and then
+    logs the next: a drop in the line count, then that step's line."""
+    target = killed_at_lines // every * every + 1
+    dropped = False
+    while process.poll() is None:
+        count = len(lines(metrics))
+        dropped = dropped or count < killed_at_lines
+        if dropped and count == target:
+            return time.monotonic()
+        time.sleep(0.005)
+    return None
+
+
 def timed_run(args, directory, flags):
     process = start(args, directory, flags)
     seen = watch(os.path.join(directory, "metrics.jsonl"), process, lambda count: count >= STEPS)
@@ -103,16 +118,7 @@ def restart_run(args, directory):
     killed_at_lines = len(lines(metrics))
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
-    # The restarted round rewrites metrics.jsonl up to its checkpoint's step (20: the kill comes 5
-    # steps after that save) and then logs step 21: a drop in the line count, then 21 lines.
-    target = killed_at_lines // EVERY * EVERY + 1
-    first, dropped = None, False
-    while process.poll() is None and first is None:
-        count = len(lines(metrics))
-        dropped = dropped or count < killed_at_lines
-        if dropped and count == target:
-            first = time.monotonic()
-        time.sleep(0.005)
+    first = first_step_after_restart(metrics, process, killed_at_lines, EVERY)
     output, _ = process.communicate()
     if process.returncode != 0 or first is None:
         sys.exit(f"bench: the restart run failed ({process.returncode}):\n{output}")

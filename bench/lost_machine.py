@@ -13,11 +13,9 @@ after the restart is logged. BENCH_ROUNDS trials (default 3), medians. Rewrites 
   sudo .venv/bin/python bench/lost_machine.py [--rounds 3] [--last-call 5]   (about 5 minutes)
 """
 import argparse
-import json
 import os
 import queue
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -25,6 +23,7 @@ import tempfile
 import threading
 import time
 
+from checkpoint_cost import first_step_after_restart, lines
 from report import replace_between_markers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -55,14 +54,6 @@ def remove_hosts():
         sh(f"ip netns pids {host} 2>/dev/null | xargs -r kill -9; ip netns del {host}", check=False)
 
 
-def metrics_lines(path):
-    try:
-        with open(path) as file:
-            return [json.loads(line) for line in file if line.strip()]
-    except (FileNotFoundError, json.JSONDecodeError):
-        return []
-
-
 def launch(args, host, directory, data, port):
     command = ["ip", "netns", "exec", HOSTS[host], "env", f"GLOO_SOCKET_IFNAME={LINKS[host]}",
                os.path.join(args.bin, "fsdp"), "launch", "--nnodes", "1:2", "--node-rank", str(host),
@@ -89,28 +80,20 @@ def trial(args, work, data, index):
     port = 21000 + (os.getpid() + index) % 20000
     other = launch(args, 1, directory, data, port)
     host0 = launch(args, 0, directory, data, port)
-    lines = queue.Queue()
-    reader = threading.Thread(target=timestamped_lines, args=(host0, lines), daemon=True)
+    printed = queue.Queue()
+    reader = threading.Thread(target=timestamped_lines, args=(host0, printed), daemon=True)
     reader.start()
-    while len(metrics_lines(metrics)) < KILL_AFTER and host0.poll() is None:
+    while len(lines(metrics)) < KILL_AFTER and host0.poll() is None:
         time.sleep(0.005)
-    killed_after = len(metrics_lines(metrics))
+    killed_after = len(lines(metrics))
     sh(f"ip netns pids {HOSTS[1]} | xargs -r kill -9")
     killed = time.monotonic()
     other.wait()
-    # The restarted round rewrites metrics.jsonl from its checkpoint's step, then logs the next one.
-    target = killed_after // EVERY * EVERY + 1
-    first, dropped = None, False
-    while host0.poll() is None and first is None:
-        count = len(metrics_lines(metrics))
-        dropped = dropped or count < killed_after
-        if dropped and count == target:
-            first = time.monotonic()
-        time.sleep(0.005)
+    first = first_step_after_restart(metrics, host0, killed_after, EVERY)
     host0.wait()
     reader.join()
     output, reported, round_one = [], None, None
-    while (item := lines.get()) is not None:
+    while (item := printed.get()) is not None:
         seen, line = item
         output.append(line)
         if reported is None and "Restarting: this machine joins round 1" in line:
