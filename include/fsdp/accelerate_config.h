@@ -40,7 +40,8 @@ std::string read_config_file(const std::string& path);
 /// The fsdp_config keys Accelerate's launcher knows, with the `fsdp_` prefix.
 const std::vector<std::string>& known_fsdp_config_keys();
 
-/// What `fsdp launch` exports to its processes for FSDP (spec §8.2), and where each variable came from.
+/// What `fsdp launch` exports to its processes for FSDP (as `accelerate launch`'s
+/// prepare_multi_gpu_env), and where each variable came from.
 struct FsdpLaunchEnvironment {
   /// Whether FSDP is on (distributed_type FSDP, or --use-fsdp). Nothing is exported otherwise.
   bool use_fsdp = false;

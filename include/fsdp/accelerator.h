@@ -1,7 +1,7 @@
 // Accelerator: the object a training script holds (Accelerate's `Accelerator`, FSDP parts).
 //
 // It owns the process groups and the resolved plugin, and prepares a model and its optimizer
-// together (FSDP2's `prepare`, spec §3.4): the model is sharded in place and the optimizer is
+// together (Accelerate's `Accelerator._prepare_fsdp2`): the model is sharded in place and the optimizer is
 // switched to the sharded parameters, keeping its parameter groups and hyper-parameters.
 #pragma once
 
@@ -115,9 +115,12 @@ class Accelerator {
   /// Global gradient norm of the prepared model, clipped to max_norm (fsdp::clip_grad_norm_); with a
   /// scaler the gradients are unscaled first, as Accelerate's clip_grad_norm_ does.
   double clip_grad_norm_(double max_norm, double norm_type = 2.0);
-  /// Every rank's tensor concatenated on dim 0 (all ranks pass the same shape). Collective.
+  /// Every rank's tensor concatenated on dim 0; a 0-dim tensor gives one element per rank, as
+  /// Accelerate's gather. All ranks pass the same shape: shapes that differ are an error on every
+  /// rank (Note [Collective check]). One tensor, not Accelerate's nested containers. Collective.
   at::Tensor gather(const at::Tensor& tensor) const;
-  /// Sum or mean over ranks ("sum" / "mean"). Collective.
+  /// Sum or mean over ranks ("sum" / "mean"); the mean of an integer tensor is an error, as in
+  /// Accelerate. No `scale` (Accelerate applies its scale only on XLA). Collective.
   at::Tensor reduce(const at::Tensor& tensor, const std::string& reduction = "mean") const;
   /// Prints a line on the main process only.
   void print(const std::string& line) const;

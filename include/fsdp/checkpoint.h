@@ -1,5 +1,6 @@
 // Checkpoints of a sharded model, its optimizer and the training progress, in Accelerate's layout
-// (spec §4.7), so that a resumed run continues exactly where the saved one stopped.
+// (accelerate/utils/constants.py's names, save_fsdp_model's directories), so that a resumed run
+// continues exactly where the saved one stopped.
 //
 //   FULL     pytorch_model_fsdp.bin (or .safetensors) and optimizer.bin, written by rank 0
 //   SHARDED  pytorch_model_fsdp_0/ and optimizer_0/: PyTorch distributed checkpoints (DCP), one

@@ -24,12 +24,12 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
 
 /// The plugin's policy for `model` (Accelerate's fsdp2_prepare_auto_wrap_policy): class names from
 /// transformer_cls_names_to_wrap, else the model's no_split_modules (PretrainedModel); NO_WRAP gives
-/// none. Unlike Accelerate, whose FSDP2 path silently ignores a callable (spec §9 Q9), a callable
+/// none. Unlike Accelerate, whose FSDP2 path silently ignores a callable (Q9 in docs/plugin.md), a callable
 /// policy is applied.
 std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullyShardedDataParallelPlugin& plugin,
                                                                const std::shared_ptr<torch::nn::Module>& model);
 
-/// Accelerate's fsdp2_prepare_model, in its order (spec §3.5): auto-wrap bottom-up, the input
+/// Accelerate's fsdp2_prepare_model, in its order (accelerate/utils/fsdp_utils.py): auto-wrap bottom-up, the input
 /// embedding and the tail (final norm + output embedding, or the tied embedding) as their own units,
 /// then the root. Trainable parameters are upcast to fp32 first when the accelerator uses mixed
 /// precision, so the sharded master weights are fp32. Tied weights stay tied. The model is sharded in

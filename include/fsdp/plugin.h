@@ -7,7 +7,7 @@
 // argument beats the `FSDP_*` environment variable, which beats the default; the defaults and
 // conversions depend on `fsdp_version`. Each resolved field records where its value came from.
 //
-// Deliberate differences from Accelerate (its quirks, spec §9), documented in docs/plugin.md:
+// Deliberate differences from Accelerate (its quirks, tagged Qn in docs/plugin.md, which describes each):
 // whitespace around comma-separated class names is stripped (Q16); the FSDP2 conversion warnings
 // are one readable message (Q4); `ACCELERATE_USE_FSDP=1` counts (Q14); a version-1 launch honors
 // `fsdp_reshard_after_forward` (Q1); `sharding_strategy` alone converts for version 2 instead of

@@ -1,6 +1,6 @@
 // Shard math: where each rank's piece of a tensor lives. Pure functions, no communication.
 //
-// FSDP shards every parameter on dim 0 with torch.chunk semantics (internals §0): each rank owns
+// FSDP shards every parameter on dim 0 with torch.chunk semantics (FSDPParam._init_sharded_param): each rank owns
 // ceil(D / N) rows except that trailing ranks may own fewer or none (D = 4 over N = 3 ranks is
 // 2, 2, 0, not 2, 1, 1), and every rank stores its rows zero-padded to ceil(D / N) rows so that a
 // collective sees N equal shards. Checkpoint offsets (DCP, SHARDED_STATE_DICT) use the same rule,

@@ -67,9 +67,10 @@ std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const 
   return parameters;
 }
 
-// Accelerate's fsdp2_apply_ac (spec §3.7): the children of every module the wrap policy selects are
-// checkpointed, e.g. self_attn, mlp and the norms of each decoder layer, not the layer itself. Under
-// fsdp_version=1 the selected modules themselves are, as FSDP1 does (spec §3.3 step 6).
+// Accelerate's fsdp2_apply_ac (accelerate/utils/fsdp_utils.py): the children of every module the
+// wrap policy selects are checkpointed, e.g. self_attn, mlp and the norms of each decoder layer,
+// not the layer itself. Under fsdp_version=1 the selected modules themselves are, as FSDP1 does
+// (Accelerator.prepare_model's FSDP1 branch).
 void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& plugin,
                                           const std::shared_ptr<torch::nn::Module>& model) {
   auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model);
@@ -173,7 +174,7 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
   }
 
   // FSDP2 needs one dtype for the trainable parameters of a unit, and the sharded parameters are the
-  // master weights: keep them in fp32 (spec §3.5 step 6, quirk Q10 kept on purpose).
+  // master weights: keep them in fp32 (fsdp2_prepare_model's upcast; Q10 in docs/plugin.md, kept on purpose).
   if (accelerator.mixed_precision() != "no") {
     at::NoGradGuard no_grad;
     for (auto& parameter : model->parameters()) {
@@ -181,9 +182,10 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
     }
   }
 
-  // cpu_ram_efficient_loading (spec §3.5 steps 7-8 and 12): rank 0's weights are the truth. It keeps
-  // them aside (the parameters become shards); the other ranks drop theirs before sharding and get
-  // their rows from rank 0 one tensor at a time.
+  // cpu_ram_efficient_loading (fsdp2_prepare_model's meta-device path and
+  // fsdp2_load_full_state_dict): rank 0's weights are the truth. It keeps them aside (the
+  // parameters become shards); the other ranks drop theirs before sharding and get their rows from
+  // rank 0 one tensor at a time.
   const bool efficient_loading = plugin.cpu_ram_efficient_loading && context.world_size() > 1;
   // The load from rank 0 below is the sync: broadcasting every value at fully_shard too (version 1
   // forces sync_module_states on with efficient loading, as Accelerate does) would move them twice.

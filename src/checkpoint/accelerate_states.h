@@ -1,7 +1,7 @@
 // What Accelerate's save_state writes beside the model and the optimizer, read without Python:
 // `random_states_<rank>.pkl` is torch.save of {"step", "random_state" (Python's random module),
 // "numpy_random_seed", "torch_manual_seed", "torch_cuda_manual_seed", ...}
-// (`../shared/reference/accelerate-fsdp-behavior.md` §4.6). fsdp.cpp restores the step and the
+// (Accelerate's save_accelerator_state, accelerate/checkpointing.py). fsdp.cpp restores the step and the
 // torch CPU generator, and names what it cannot restore (Python's and NumPy's generators, device
 // generators), so that a resumed run says what differs instead of skipping it silently. The pickle
 // is read with the restricted unpickler (Note [a restricted unpickler]): NumPy's classes are

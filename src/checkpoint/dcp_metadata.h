@@ -1,10 +1,10 @@
 // The `.metadata` file of a PyTorch distributed checkpoint (DCP) directory, as
-// torch.distributed.checkpoint's FileSystemWriter writes it (`../shared/reference/
-// pytorch-fsdp-internals.md` §3): which flattened keys the checkpoint holds, each tensor's dtype,
-// global size and chunks, and where in which `.distcp` file each chunk or byte item lies. Read with
-// the restricted unpickler (Note [a restricted unpickler], src/io/restricted_unpickler.h): only the
-// classes DCP writes are allowed, and every field is checked before anything is read from the
-// data files.
+// torch.distributed.checkpoint's FileSystemWriter writes it (torch/distributed/checkpoint/
+// filesystem.py and metadata.py; docs/checkpoint-format.md): which flattened keys the checkpoint
+// holds, each tensor's dtype, global size and chunks, and where in which `.distcp` file each chunk
+// or byte item lies. Read with the restricted unpickler (Note [a restricted unpickler],
+// src/io/restricted_unpickler.h): only the classes DCP writes are allowed, and every field is
+// checked before anything is read from the data files.
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -1,7 +1,7 @@
 // The tensors of a PyTorch distributed checkpoint (DCP) directory as one TensorSource: what
 // dcp_to_torch_save and Accelerate's merge_fsdp_weights read, chunk by chunk from the `.distcp`
-// files. A chunk is one torch.save archive at (offset, length) of its file (`../shared/reference/
-// pytorch-fsdp-internals.md` §3.3): each offset and length is checked against the file, the file
+// files. A chunk is one torch.save archive at (offset, length) of its file (FileSystemWriter's
+// layout, docs/checkpoint-format.md): each offset and length is checked against the file, the file
 // must be a regular file inside the directory, and the archive must hold a tensor of the chunk's
 // dtype and sizes. At most one chunk is held in memory beyond what the caller asks for.
 #pragma once

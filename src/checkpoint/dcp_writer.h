@@ -1,5 +1,5 @@
 // Writing a PyTorch distributed checkpoint (DCP) directory the way torch.distributed.checkpoint's
-// FileSystemWriter does (`../shared/reference/pytorch-fsdp-internals.md` §3), so that dcp.load,
+// FileSystemWriter does (torch/distributed/checkpoint/filesystem.py; docs/checkpoint-format.md), so that dcp.load,
 // dcp_to_torch_save and Accelerate read what fsdp.cpp saves: every rank writes `__<rank>_0.distcp`,
 // a concatenation of one torch.save archive per item (its rows of each sharded tensor; replicated
 // tensors and byte items from rank 0 only), then rank 0 writes `.metadata` (a pickle of Metadata

@@ -1,4 +1,5 @@
-// Accelerate YAML configs: loading, launcher export (spec §8.2) and to-fsdp2 (spec §8.4).
+// Accelerate YAML configs: loading, launcher export (as `accelerate launch`'s prepare_multi_gpu_env,
+// accelerate/utils/launch.py) and to-fsdp2 (as accelerate/commands/to_fsdp2.py).
 #include <fsdp/accelerate_config.h>
 #include <fsdp/plugin.h>
 
@@ -263,7 +264,7 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
                 " was given but FSDP is not on; add --use-fsdp or set distributed_type: FSDP in the config file.");
     return result;
   }
-  // Flags override the file (spec §8.1); remember which one spoke for each key.
+  // Flags override the file (as `accelerate launch`'s _validate_launch_command); remember which one spoke for each key.
   std::map<std::string, std::pair<std::string, std::string>> settings;  // key -> (value, origin)
   if (config) {
     for (const auto& [key, value] : config->fsdp_config) settings[key] = {value, "fsdp_config." + key + " in " + config->path};

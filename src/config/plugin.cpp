@@ -1,4 +1,5 @@
-// Resolution of FullyShardedDataParallelPlugin, following Accelerate's __post_init__ (spec §2.2)
+// Resolution of FullyShardedDataParallelPlugin, following Accelerate's
+// FullyShardedDataParallelPlugin.__post_init__ (accelerate/utils/dataclasses.py)
 // step by step, with the deliberate fixes listed in include/fsdp/plugin.h.
 #include <fsdp/plugin.h>
 

@@ -2,7 +2,8 @@
 // device-generic interfaces (c10::Stream, c10::Event, the device's guard implementation) so that
 // the engine never includes a CUDA header and the same code runs, as no-ops, on CPU.
 //
-// Note [streams of a unit] (FSDP2's, pytorch-fsdp-internals.md §1.8): on a GPU the engine keeps
+// Note [streams of a unit] (FSDP2's, torch/distributed/fsdp/_fully_shard/_fsdp_state.py and
+// _fsdp_param_group.py): on a GPU the engine keeps
 // three kinds of work off the compute stream, each on a stream of its own per device:
 //   - kAllGather: the all-gather copy-in and the issue of the all-gather, after waiting for the
 //     compute stream's work so far (the optimizer step that wrote the shards). NCCL then runs the

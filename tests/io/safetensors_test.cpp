@@ -35,7 +35,7 @@ std::string float_bytes(int count) {
   return bytes;
 }
 
-// Golden vectors from huggingface/safetensors' own tests (formats reference §2.3).
+// Golden vectors from huggingface/safetensors' own tests (bindings/python/tests/test_simple.py).
 TEST(Safetensors, MatchesTheReferenceWritersBytes) {
   auto tensor = torch::arange(6, torch::kFloat).reshape({1, 2, 3});
   const std::string header = R"({"attn.0":{"dtype":"F32","shape":[1,2,3],"data_offsets":[0,24]}})";
