@@ -136,10 +136,9 @@ void ShardedDirectoryReader::open() {
               metadata_path.string(), "' is not a regular file; the directory is not a sharded checkpoint");
   std::ifstream file(metadata_path);
   if (!file && std::filesystem::exists(std::filesystem::path(directory) / ".metadata")) {
-    TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), which fsdp.cpp ",
-                "does not load yet; it loads its own sharded format (docs/checkpoint-format.md). Merge the model "
-                "directory into a full model file first (`fsdp merge-weights` reads DCP), or save the model from PyTorch "
-                "as a full state dict (safetensors or torch.save)");
+    TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), not the rank-file ",
+                "format this reader takes (docs/checkpoint-format.md). load_checkpoint, Accelerator::load_state and "
+                "`fsdp merge-weights` read both and choose by the files they find: use one of them");
   }
   TORCH_CHECK(file, "sharded checkpoint directory '", directory, "' has no ", kShardedMetadataFile,
               ": it is not a checkpoint directory, or its save did not finish");

@@ -56,14 +56,24 @@ Command add_merge_command(CLI::App& parent) {
                 "Write pytorch_model.bin (torch.save format) instead of model.safetensors");
   app->add_flag("--remove-checkpoint-dir,--remove_checkpoint_dir", options->remove_checkpoint_dir,
                 "Delete CHECKPOINT_DIR after the output is completely written (never after a failure)");
+  // Given, even empty, it must be a size ('' is not "no limit"); a usage error (exit 2) otherwise.
   auto* shard_option = app->add_option("--max-shard-size,--max_shard_size", *max_shard_size,
-                                       "Split into Hugging Face shards of at most SIZE (e.g. 5GB, 500MB) with model.safetensors.index.json");
+                                       "Split into Hugging Face shards of at most SIZE (e.g. 5GB, 500MB) with model.safetensors.index.json")
+                           ->check(CLI::Validator(
+                               [](std::string& text) -> std::string {
+                                 try {
+                                   parse_byte_size(text);
+                                 } catch (const c10::Error& error) {
+                                   return error.what_without_backtrace();
+                                 }
+                                 return "";
+                               },
+                               "SIZE"));
   app->add_flag("--overwrite", options->overwrite, "Replace output files that already exist");
   Command command;
   command.app = app;
   command.run = [=] {
     options->safe_serialization = !*unsafe;
-    // Given, even empty, it must be a size ('' is not "no limit").
     if (shard_option->count() > 0) options->max_shard_size = parse_byte_size(*max_shard_size);
     // Under `fsdp launch` rank 0 merges and the others wait for it; a merge may take long.
     auto environment = parse_distributed_environment(current_process_environment());

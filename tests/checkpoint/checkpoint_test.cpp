@@ -10,6 +10,7 @@
 
 #include <fsdp/fsdp.h>
 
+#include "checkpoint/dcp_metadata.h"
 #include "harness/parity.h"
 #include "harness/test_models.h"
 #include "harness/error_message.h"
@@ -104,6 +105,34 @@ TEST_P(CheckpointRoundTrip, ResumedTrainingContinuesBitForBit) {
   });
 }
 
+// FULL_STATE_DICT saved with rank0_only (Accelerate's FULL default: only rank 0 gathers) and
+// without it (every rank gathers): the same files, byte for byte.
+TEST(Checkpoint, FullCheckpointsSavedWithAndWithoutRank0OnlyAreTheSameFiles) {
+  const auto directory = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [directory](const DistributedContext& context) {
+    Trainer original(context, 11);
+    original.train(context, 0, 2);
+    for (const bool rank0_only : {true, false}) {
+      CheckpointOptions options;
+      options.state_dict_type = StateDictType::kFullStateDict;
+      options.state_dict_config.rank0_only = rank0_only;
+      options.optim_state_dict_config.rank0_only = rank0_only;
+      save_checkpoint(directory + (rank0_only ? "/rank0_only" : "/every_rank"), *original.model, *original.optimizer,
+                      context, TrainingProgress{}, options);
+    }
+    if (context.rank() != 0) return;
+    for (const auto* file : {"pytorch_model_fsdp.bin", "optimizer.bin"}) {
+      const auto read = [&](const std::string& path) {
+        std::ifstream stream(path, std::ios::binary);
+        return std::string(std::istreambuf_iterator<char>(stream), {});
+      };
+      const auto one = read(directory + "/rank0_only/" + file), every = read(directory + "/every_rank/" + file);
+      EXPECT_FALSE(one.empty()) << file;
+      EXPECT_EQ(one, every) << file << " differs with and without rank0_only";
+    }
+  });
+}
+
 INSTANTIATE_TEST_SUITE_P(
     Layouts, CheckpointRoundTrip,
     ::testing::Values(RoundTripCase{StateDictType::kShardedStateDict, 1}, RoundTripCase{StateDictType::kShardedStateDict, 2},
@@ -177,6 +206,23 @@ TEST(Checkpoint, HybridShardCheckpointsSaveOneCopyAndLoadBack) {
         };
         train(original, optimizer, 0);
         save_checkpoint(directory, *original, optimizer, context, {});
+        // One copy: the second machine's ranks (2, 3) hold the shards the first machine's hold and
+        // write none of them; each tensor's chunks cover its rows exactly once.
+        if (context.rank() == 0) {
+          for (const auto* part : {"pytorch_model_fsdp_0", "optimizer_0"}) {
+            const auto metadata = detail::read_dcp_metadata(directory + "/" + part);
+            EXPECT_FALSE(metadata.tensors.empty()) << part;
+            for (const auto& [key, tensor] : metadata.tensors) {
+              int64_t rows = 0;
+              for (const auto& chunk : tensor.chunks) {
+                const auto& file = chunk.storage.relative_path;
+                EXPECT_TRUE(file != "__2_0.distcp" && file != "__3_0.distcp") << part << " " << key << " in " << file;
+                if (!tensor.size.empty()) rows += chunk.sizes.at(0);
+              }
+              if (!tensor.size.empty()) EXPECT_EQ(rows, tensor.size[0]) << part << " " << key;
+            }
+          }
+        }
         auto resumed = make(22);
         torch::optim::AdamW resumed_optimizer(unique_parameters(*resumed), adamw_options());
         load_checkpoint(directory, *resumed, resumed_optimizer, context);

@@ -274,7 +274,7 @@ TEST_F(TrainLlama, EachFlagOneRankHasOtherwiseIsNamed) {
 
 TEST_F(TrainLlama, BadFlagsAreErrors) {
   auto result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
-  EXPECT_EQ(result.exit_code, 1);
+  EXPECT_EQ(result.exit_code, 2) << result.output;
   EXPECT_NE(result.output.find("unknown model preset 'enormous'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b"), std::string::npos)
       << result.output;
   result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only");

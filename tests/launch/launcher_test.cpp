@@ -129,6 +129,37 @@ TEST_F(LaunchTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
   }
 }
 
+// A rank that ignores SIGTERM is killed (SIGKILL) once --termination-grace has passed, and so are
+// the processes it started (its process group): rank 0 traps SIGTERM and starts a grandchild that
+// would sleep 100 s; rank 1 fails. The launcher ends after the grace, not after 100 s, and neither
+// rank 0 nor its grandchild is left.
+TEST_F(LaunchTest, ARankIgnoringSigtermIsKilledAfterTheGraceWithItsGrandchildren) {
+  const std::string script =
+      "if [ \"$RANK\" = 1 ]; then while [ ! -s " + path("grandchild") + " ]; do sleep 0.05; done; exit 3; fi; "
+      "trap '' TERM; echo $$ > " + path("rank_0.tmp") + "; mv " + path("rank_0.tmp") + " " + path("rank_0") + "; "
+      "sleep 100 & echo $! > " + path("grandchild.tmp") + "; mv " + path("grandchild.tmp") + " " + path("grandchild") +
+      "; while :; do sleep 0.1; done";
+  const auto started = std::chrono::steady_clock::now();
+  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--termination-grace", "1", "--", "sh",
+                     "-c", script});
+  const auto elapsed = std::chrono::steady_clock::now() - started;
+  EXPECT_EQ(result.exit_code, 3) << result.output;
+  EXPECT_NE(result.output.find("rank 1 (local rank 1) failed first, with exit code 3"), std::string::npos) << result.output;
+  EXPECT_GE(elapsed, std::chrono::seconds(1)) << "rank 0 ignores SIGTERM: only SIGKILL after the grace ends it";
+  EXPECT_LT(elapsed, std::chrono::seconds(30));
+  for (const auto* name : {"rank_0", "grandchild"}) {
+    const pid_t pid = std::stoi(read(path(name)));
+    // Reaped (rank 0) or gone with its group (the grandchild, which init reaps): no such process,
+    // or at most a zombie about to be reaped.
+    bool alive = ::kill(pid, 0) == 0;
+    if (alive) {
+      const auto stat = read("/proc/" + std::to_string(pid) + "/stat");
+      alive = stat.find(") Z") == std::string::npos;
+    }
+    EXPECT_FALSE(alive) << name << " (pid " << pid << ") is still running";
+  }
+}
+
 TEST_F(LaunchTest, RankKilledBySignalGives128PlusSignal) {
   auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--", "sh", "-c",
                      "if [ \"$RANK\" = 0 ]; then kill -9 $$; fi; exec sleep 100"});

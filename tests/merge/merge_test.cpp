@@ -285,14 +285,14 @@ TEST(Merge, CommandLineMergesAndReportsErrors) {
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint " + root + "/cli2", output), 1) << output;
   EXPECT_NE(output.find("fsdp: error: merge: '"), std::string::npos) << output;
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli3 --max-shard-size lots", output),
-            1)
+            2)
       << output;
   EXPECT_NE(output.find("'lots' is not a size"), std::string::npos) << output;
   // A file is not a directory that "does not exist".
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0/.metadata " + root + "/cli5", output), 1);
   EXPECT_NE(output.find(".metadata' is a file, not a checkpoint directory"), std::string::npos) << output;
   // An empty size is not "no limit" (it used to merge into one file with exit 0).
-  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output), 1)
+  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output), 2)
       << output;
   EXPECT_NE(output.find("'' is not a size"), std::string::npos) << output;
   EXPECT_EQ(run("merge-weights --help", output), 0);

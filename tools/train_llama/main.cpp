@@ -212,6 +212,20 @@ CLI::Validator numeric_check(bool allow_zero) {
 CLI::Validator positive_value() { return numeric_check(false); }
 CLI::Validator non_negative_value() { return numeric_check(true); }
 
+/// --preset names a model LlamaConfig knows: a usage error (exit 2) otherwise, with its message.
+CLI::Validator known_preset() {
+  return CLI::Validator(
+      [](std::string& name) -> std::string {
+        try {
+          LlamaConfig::preset(name);
+        } catch (const c10::Error& error) {
+          return error.what_without_backtrace();
+        }
+        return "";
+      },
+      "PRESET");
+}
+
 /// The model to train or evaluate. With weights to load (`from_weights`), only rank 0 reads them; the
 /// other ranks build the model on the meta device, allocating nothing, and receive their shards from
 /// rank 0 (cpu_ram_efficient_loading), as transformers' non-main processes do under Accelerate.
@@ -575,7 +589,7 @@ int main(int argc, char** argv) {
                "Run it under `fsdp launch --nproc-per-node N --`; FSDP settings come from FSDP_* variables or "
                "`fsdp launch --config-file`."};
   app.add_option("--preset", settings.preset, "Model size: tiny, small, medium or large (0.54 B parameters, built on the "
-                 "meta device)")->capture_default_str();
+                 "meta device)")->check(known_preset())->capture_default_str();
   app.add_flag("--meta-init", settings.meta_init,
                "Build the model on the meta device on every rank; fully_shard initializes one unit at a time, or, with "
                "--init-from, rank 0 streams the weights one tensor at a time (always on for --preset large)");
