@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what fsdp.cpp needs, if anything is missing, then configures and builds into build/:
-#   1. Debian packages: the compiler, CMake, Ninja, the header libraries, Gloo's headers, and clang
-#      with libFuzzer for the fuzz targets.
+#   1. Debian packages: the compiler, CMake, Ninja, the header libraries, Gloo's headers, clang
+#      with libFuzzer for the fuzz targets, and Open MPI's mpirun, a launcher the tests run under.
 #   2. The project venv (.venv/, git-ignored) with requirements.txt: torch 2.13.0, whose libtorch
 #      the build links, and the peers (accelerate, transformers, safetensors, numpy) that tests and
 #      benchmarks compare against. The binaries never need Python: they find libtorch by RPATH.
@@ -73,6 +73,9 @@ if ((!for_run)); then
     12) packages+=(clang-14 libclang-rt-14-dev) ;;
     13) packages+=(clang-19 libclang-rt-19-dev) ;;
   esac
+  # The tests only: Open MPI's mpirun, a real launcher the programs run under
+  # (tests/launch/real_launchers_test.cpp). The binaries never link MPI.
+  packages+=(openmpi-bin)
 fi
 
 # The Python that creates the venv. The torch 2.13.0 wheel of these machines is for Python 3.11.

@@ -71,10 +71,11 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   // whatever the model's device, and a model on the meta device is materialized by fully_shard.
   const auto target = device();
   if (!target.is_cpu() && !plugin_.cpu_offload.offload_params && !has_meta_tensors(*model)) model->to(target);
-  // Spec §3.4 steps 6-11: remember each optimizer slot's parameter by its data pointer, let the
-  // slots point at nothing so sharding can free the full tensors, shard, then map back by name.
-  // A parameter without memory (built on the meta device, or empty) has no data pointer of its own:
-  // it is known by its TensorImpl instead, which no live data pointer can equal.
+  // As Accelerator._prepare_fsdp2 (accelerate/accelerator.py): remember each optimizer slot's
+  // parameter by its data pointer, let the slots point at nothing so sharding can free the full
+  // tensors, shard, then map back by name. A parameter without memory (built on the meta device, or
+  // empty) has no data pointer of its own: it is known by its TensorImpl instead, which no live
+  // data pointer can equal.
   auto address_of = [](const at::Tensor& parameter) -> void* {
     void* pointer = parameter.data_ptr();
     return pointer ? pointer : static_cast<void*>(parameter.unsafeGetTensorImpl());
@@ -299,6 +300,10 @@ at::Tensor Accelerator::gather(const at::Tensor& tensor) const {
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& reduction) const {
   TORCH_CHECK(reduction == "sum" || reduction == "mean", "Accelerator::reduce: reduction must be 'sum' or 'mean', got '",
               reduction, "'");
+  // Accelerate raises here too, with torch's "result type Float can't be cast to the desired output type Long".
+  TORCH_CHECK(reduction == "sum" || at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
+              "Accelerator::reduce: the mean of an integer tensor (", tensor.scalar_type(),
+              ") is not an integer; reduce with 'sum', or pass a floating-point tensor");
   auto result = tensor.detach().clone().contiguous();
   all_reduce(context_.world(), result);
   if (reduction == "mean") result.div_(static_cast<double>(context_.world_size()));

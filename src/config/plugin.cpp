@@ -718,7 +718,7 @@ class Resolver {
       candidates.insert(candidates.end(), tools.begin(), tools.end());
       const auto suggestion = did_you_mean(name, candidates);
       warn("environment variable " + name + "='" + value + "' is not a setting fsdp.cpp reads" +
-           (suggestion.empty() ? std::string() : "; did you mean " + suggestion + "?") + " It is ignored.");
+           (suggestion.empty() ? std::string(".") : "; did you mean " + suggestion + "?") + " It is ignored.");
     }
     if (plugin_.fsdp_version != 2) return;
     struct Unread {
