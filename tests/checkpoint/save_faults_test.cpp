@@ -143,15 +143,18 @@ TEST_F(SaveFaults, AKillAtAnyWriteFsyncOrRenameOfASaveLeavesThePreviousCheckpoin
       if (every_point) {
         chosen = boundaries;
       } else {
-        // CI's sample: the first write, the first rename (synchronous saves, rank 0), one from the
-        // middle (asynchronous), and the last operation, which on rank 0 is the fsync of the
-        // directory after the marker's rename: the checkpoint is then complete and must be taken.
+        // CI's sample: on rank 0 the first rename (synchronous saves) or one from the middle
+        // (asynchronous) and the last operation, the fsync of the directory after the marker's
+        // rename (the checkpoint is then complete and must be taken); on rank 1 its first write.
         auto first_rename = std::find_if(boundaries.begin(), boundaries.end(),
                                          [](const FaultPoint& p) { return p.operation == "rename"; });
-        if (!async) chosen.push_back(boundaries.front());
-        if (!async && rank == 0 && first_rename != boundaries.end()) chosen.push_back(*first_rename);
-        if (async) chosen.push_back(boundaries[boundaries.size() / 2]);
-        chosen.push_back(boundaries.back());
+        if (rank == 0) {
+          if (!async && first_rename != boundaries.end()) chosen.push_back(*first_rename);
+          if (async) chosen.push_back(boundaries[boundaries.size() / 2]);
+          chosen.push_back(boundaries.back());
+        } else {
+          chosen.push_back(boundaries.front());
+        }
       }
       std::cout << "  " << boundaries.size() << " distinct states to kill in; trying " << chosen.size() << "\n";
       for (const auto& point : chosen) {

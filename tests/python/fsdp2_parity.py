@@ -1,7 +1,7 @@
 """PyTorch FSDP2 (torch.distributed.fsdp.fully_shard, CPU, gloo) on the model and batches that
 tests/engine/fsdp2_parity_test.cpp trains with fsdp.cpp. Run on N processes with torchrun's variables.
 
-    fsdp2_parity.py DIR [OUTPUT]
+    fsdp2_parity.py DIR [OUTPUT [teacher]]
 
 DIR/case.json says what to train:
     model          "mlp" (ParityMlp below) or "llama" (transformers' LlamaForCausalLM from DIR/config.json)
@@ -9,12 +9,21 @@ DIR/case.json says what to train:
     mesh           [] (1-D over the world) or [replicate, shard] (HSDP on a 2-D device mesh)
     accumulation   micro-batches per step; the first k-1 run with set_requires_gradient_sync(False)
     bf16           MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32)
+    fp16           (optional) MixedPrecisionPolicy(param_dtype=float16, reduce_dtype=float32)
+    scaler         (optional) {"init_scale", "growth_interval"}: a ShardedGradScaler scales the loss,
+                   unscales before clipping, steps and updates (FSDP2 only)
     fsdp1          (optional) PyTorch FSDP1 instead, as Accelerate's version 1 builds it from the plugin's
                    defaults: FullyShardedDataParallel with ModuleWrapPolicy({Block or LlamaDecoderLayer}),
                    FULL_SHARD (reshard) or SHARD_GRAD_OP, use_orig_params, no backward or forward
                    prefetch, limit_all_gathers, MixedPrecision(bf16, fp32, bf16) with bf16; no_sync()
                    for the first micro-batches and FSDP1's own clip_grad_norm_
     clip           max_norm of clip_grad_norm_ after every step's backward
+    teacher_steps  (optional) with the argument `teacher`, the steps whose state rank 0 also writes,
+                   for the teacher-forced check:
+                   DIR/teacher_<step>.safetensors with "before.<name>" (the full weights before the step),
+                   "state.<name>.<field>" (AdamW's full state before it: step, exp_avg, exp_avg_sq),
+                   "after.<name>" (the weights after it), "loss" and "norm" (that step's), and
+                   DIR/teacher_<step>.json with the optimizer's param_groups (parameters by name)
     device         (optional) "cuda": every rank on cuda:LOCAL_RANK over NCCL; default "cpu" over gloo
 DIR/initial.safetensors: the initial weights; DIR/batches.safetensors: "x.<step>" and "y.<step>" global
 batches (for llama "x" holds token ids of sequence length + 1 and there is no "y"). Every rank takes
@@ -84,9 +93,11 @@ def micro_loss(model, case, x, y):
     return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1))
 
 
-def main(directory, output):
+def main(directory, output, teacher):
     torch.set_num_threads(1)
     case = json.load(open(f"{directory}/case.json"))
+    if not teacher:
+        case["teacher_steps"] = []
     device = torch.device("cpu")
     if case.get("device") == "cuda":
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
@@ -110,6 +121,8 @@ def main(directory, output):
         arguments["mesh"] = init_device_mesh(device.type, tuple(case["mesh"]), mesh_dim_names=("replicate", "shard"))
     if case["bf16"]:
         arguments["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if case.get("fp16"):
+        arguments["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32)
     for unit in units:
         fully_shard(unit, **arguments)
     fully_shard(model, **arguments)
@@ -130,6 +143,46 @@ def wrap_fsdp1(model, units, case):
     # Accelerate's default backward_prefetch is None (no prefetch), which FSDP1 receives as is.
 
 
+def full_state(model, optimizer):
+    """The full weights and AdamW state, keyed by parameter name, on every rank (collective)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
+    options = StateDictOptions(full_state_dict=True)
+    weights = get_model_state_dict(model, options=options)
+    # Copies: what the step then updates in place must not change what was captured before it.
+    weights = {name: (tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor).detach().cpu().clone()
+               for name, tensor in weights.items()}
+    if not optimizer.state:
+        # Before the first step: get_optimizer_state_dict would create the state with a step of lr 0
+        # (its _init_optim_state), which counts as AdamW's first step and changes the run.
+        names = [name.replace("_fsdp_wrapped_module.", "") for name, _ in model.named_parameters()]
+        groups = [{**{key: value for key, value in group.items() if key != "params"}, "params": names}
+                  for group in optimizer.param_groups]
+        assert len(groups) == 1, "one parameter group expected"
+        return weights, {"state": {}, "param_groups": groups}
+    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    optimizer_state["state"] = {
+        name: {field: (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().cpu().clone()
+               for field, value in fields.items()}
+        for name, fields in optimizer_state["state"].items()}
+    return weights, optimizer_state
+
+
+def write_teacher(directory, step, before, optimizer_state, after, loss, norm, scaler_state):
+    tensors = {f"before.{name}": tensor for name, tensor in before.items()}
+    tensors.update({f"scaler.{key}": torch.tensor(float(value), dtype=torch.float64) for key, value in scaler_state.items()})
+    tensors.update({f"after.{name}": tensor for name, tensor in after.items()})
+    for name, fields in optimizer_state["state"].items():
+        for field, value in fields.items():
+            tensors[f"state.{name}.{field}"] = value.to(torch.float32) if field == "step" else value.contiguous()
+    tensors["loss"] = torch.tensor([loss], dtype=torch.float64)
+    tensors["norm"] = torch.tensor([norm], dtype=torch.float64)
+    save_file(tensors, f"{directory}/teacher_{step}.safetensors")
+    groups = [{key: value for key, value in group.items() if isinstance(value, (int, float, bool, str, list, tuple))}
+              for group in optimizer_state["param_groups"]]
+    with open(f"{directory}/teacher_{step}.json", "w") as file:
+        json.dump(groups, file)
+
+
 def train(directory, output, case, model):
     import contextlib
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -139,8 +192,17 @@ def train(directory, output, case, model):
     batches = {name: tensor.to(device) for name, tensor in load_file(f"{directory}/batches.safetensors").items()}
     steps = len([name for name in batches if name.startswith("x.")])
     k = case["accumulation"]
+    scaler = None
+    if case.get("scaler"):
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+        scaler = ShardedGradScaler(device=device.type, init_scale=case["scaler"]["init_scale"],
+                                   growth_interval=case["scaler"]["growth_interval"])
     losses, norms = [], []
+    teacher_steps = set(case.get("teacher_steps", []))
     for step in range(steps):
+        if step in teacher_steps:
+            before, optimizer_state = full_state(model, optimizer)
+            scaler_state = scaler.state_dict() if scaler else {}
         x = batches[f"x.{step}"]
         y = batches.get(f"y.{step}", x)
         rows = x.shape[0] // world
@@ -156,17 +218,27 @@ def train(directory, output, case, model):
                 scope = contextlib.nullcontext()
             with scope:
                 loss = micro_loss(model, case, local_x[part], local_y[part]) / k
-                loss.backward()
+                (scaler.scale(loss) if scaler else loss).backward()
             total += loss.detach()
+        if scaler:
+            scaler.unscale_(optimizer)
         if fsdp1:
             norm = model.clip_grad_norm_(case["clip"])
         else:
             norm = torch.nn.utils.clip_grad_norm_(model.parameters(), case["clip"])
         norms.append(norm.full_tensor().item() if hasattr(norm, "full_tensor") else norm.item())
-        optimizer.step()
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         optimizer.zero_grad()
         dist.all_reduce(total)
         losses.append(total.item() / world)
+        if step in teacher_steps:
+            after, _ = full_state(model, optimizer)
+            if rank == 0:
+                write_teacher(directory, step, before, optimizer_state, after, losses[-1], norms[-1], scaler_state)
     if fsdp1:
         from torch.distributed.fsdp import FullStateDictConfig, StateDictType
         from torch.distributed.fsdp import FullyShardedDataParallel
@@ -192,6 +264,6 @@ def train(directory, output, case, model):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) not in (2, 3):
+    if len(sys.argv) not in (2, 3, 4) or (len(sys.argv) == 4 and sys.argv[3] != "teacher"):
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else "fsdp2_result.safetensors")
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) >= 3 else "fsdp2_result.safetensors", len(sys.argv) == 4)
