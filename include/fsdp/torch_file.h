@@ -2,8 +2,10 @@
 //
 // Writing uses libtorch's own pickler, whose output Python's torch.load reads; reading accepts those
 // files and Python's torch.save of plain dicts, lists, tuples, numbers, strings and tensors
-// (tests/io/tensor_files_crosscheck_test.cpp). libtorch 2.13's unpickler still cannot build an
-// OrderedDict, which model.state_dict() returns: that is a named error; save `dict(state_dict)`.
+// (tests/io/tensor_files_crosscheck_test.cpp). What libtorch 2.13's unpickler cannot read, an
+// OrderedDict (which model.state_dict() returns) and tensors torch.save writes with
+// _rebuild_tensor_v3 (float8, uint16/32/64), is read through the restricted unpickler (Note [torch
+// files through the restricted unpickler], src/io/torch_file.cpp).
 #pragma once
 
 #include <ATen/core/Tensor.h>

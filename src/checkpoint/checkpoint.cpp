@@ -203,6 +203,39 @@ bool is_accelerate_checkpoint(const std::string& directory) {
          detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) && random_states_from_accelerate(directory);
 }
 
+// optimizer.bin: fsdp.cpp's names its optimizer class; PyTorch's (Accelerate's FULL_STATE_DICT) does
+// not, and its parameter groups tell (the same reading as its DCP optimizer directories).
+OptimizerStateDict read_full_optimizer(const std::string& path, torch::optim::Optimizer& optimizer) {
+  auto state = optimizer_state_dict_from_ivalue(load_torch_file(path), path);
+  if (state.optimizer.empty()) {
+    const auto groups = nlohmann::json::parse(state.param_groups_json);
+    TORCH_CHECK(groups.is_array() && !groups.empty(), "optimizer file '", path, "' holds no parameter groups");
+    for (const auto& group : groups) {
+      auto type = detail::optimizer_type_of_param_group(group);
+      TORCH_CHECK(!type.empty(), "optimizer file '", path, "': a parameter group has options ", group.dump(),
+                  ", which are none of AdamW, Adam, SGD, Adagrad and RMSprop");
+      if (type == "AdamW" && !group.contains("decoupled_weight_decay") && detail::optimizer_type(optimizer) == "Adam") {
+        type = "Adam";
+      }
+      TORCH_CHECK(state.optimizer.empty() || state.optimizer == type, "optimizer file '", path,
+                  "': its parameter groups are of ", state.optimizer, " and ", type);
+      state.optimizer = type;
+      detail::check_pytorch_only_options(type, group, "optimizer file '" + path + "'");
+    }
+  }
+  return state;
+}
+
+// What Accelerate's save_state writes under FULL_STATE_DICT: rank 0's torch.save of the full model
+// state dict (an OrderedDict, read through the restricted unpickler: Note [torch files through the
+// restricted unpickler]) and of the full optimizer state dict keyed by parameter names.
+bool is_accelerate_full_checkpoint(const std::string& directory) {
+  std::error_code error;
+  return !fs::exists(path_in(directory, kMarker), error) &&
+         fs::is_regular_file(path_in(directory, kFullModelBin), error) &&
+         fs::is_regular_file(path_in(directory, kFullOptimizer), error) && random_states_from_accelerate(directory);
+}
+
 int64_t count_random_states(const std::string& directory) {
   int64_t count = 0;
   std::error_code error;
@@ -213,22 +246,22 @@ int64_t count_random_states(const std::string& directory) {
 // The progress of a checkpoint Accelerate wrote: the optimizer's step count (Accelerate's own
 // "step" counts micro-steps of gradient accumulation, not optimizer steps), this rank's CPU
 // generator, and the names of everything that cannot be restored here, in one warning.
+// The loaded optimizer's step count: the first parameter state's "step" (they are all equal after
+// optimizer steps), or nullopt for an optimizer without one.
+std::optional<int64_t> loaded_step(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+  for (const auto& [name, tensor] : sharded_optimizer_state_dict(model, optimizer).tensors) {
+    if (name.size() < 5 || name.compare(name.size() - 5, 5, ".step") != 0) continue;
+    return static_cast<int64_t>(tensor.local.item<double>());  // checked when it was loaded
+  }
+  return std::nullopt;
+}
+
 TrainingProgress load_accelerate_progress(const std::string& directory, const DistributedContext& context,
-                                          int64_t saved_world_size, const TensorSource& optimizer_source) {
+                                          int64_t saved_world_size, std::optional<int64_t> step) {
   TrainingProgress progress;
   std::vector<std::string> not_restored;
-  const auto& reader = dynamic_cast<const detail::DcpDirectoryReader&>(optimizer_source);
-  bool has_step = false;
-  for (const auto& name : reader.names()) {
-    if (name.rfind("state.", 0) != 0 || name.size() < 5 || name.compare(name.size() - 5, 5, ".step") != 0) continue;
-    const double step = reader.rows(name, 0, 1).item<double>();
-    TORCH_CHECK(std::isfinite(step) && step >= 0 && step < 9.0e15, reader.description(), ": '", name, "' is ", step,
-                ", not a step count");
-    progress.step = static_cast<int64_t>(step);
-    has_step = true;
-    break;
-  }
-  if (!has_step) not_restored.push_back("the step count (the optimizer keeps none; resumed at step 0)");
+  progress.step = step.value_or(0);
+  if (!step) not_restored.push_back("the step count (the optimizer keeps none; resumed at step 0)");
   if (context.rank() < saved_world_size) {
     const auto path = path_in(directory, random_states_file(context.rank()));
     auto states = detail::read_accelerate_random_states(path);
@@ -272,7 +305,8 @@ TrainingProgress load_accelerate_progress(const std::string& directory, const Di
 }  // namespace
 
 bool is_complete_checkpoint(const std::string& directory) {
-  return fs::exists(path_in(directory, kMarker)) || is_accelerate_checkpoint(directory);
+  return fs::exists(path_in(directory, kMarker)) || is_accelerate_checkpoint(directory) ||
+         is_accelerate_full_checkpoint(directory);
 }
 
 namespace {
@@ -410,18 +444,45 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   try {
     const auto marker_path = path_in(directory, kMarker);
     TORCH_CHECK(fs::is_directory(directory), "checkpoint directory '", directory, "' does not exist");
+    // FULL: the model file and optimizer.bin (rank0_only: rank 0 alone reads them, and the others
+    // receive their rows).
+    auto read_full_files = [&](const std::string& recorded) {
+      model_file = path_in(directory, recorded);
+      TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", recorded);
+      TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
+                  kFullOptimizer);
+      if (context.rank() == 0 || !model_from_rank0) {
+        TensorList tensors;
+        if (recorded == kFullModelSafetensors) {
+          tensors = read_safetensors(model_file);
+        } else {
+          tensors = tensor_dict_items(load_torch_file(model_file), model_file);
+        }
+        full_source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
+      }
+      if (context.rank() == 0 && optimizer_from_rank0) {
+        full_optimizer = read_full_optimizer(path_in(directory, kFullOptimizer), optimizer);
+      }
+    };
     if (is_accelerate_checkpoint(directory)) {
       written_by_accelerate = true;
       saved_world_size = count_random_states(directory);
       model_reader = open_sharded_directory(path_in(directory, kShardedModel));
       optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+    } else if (is_accelerate_full_checkpoint(directory)) {
+      written_by_accelerate = true;
+      type = StateDictType::kFullStateDict;
+      saved_world_size = count_random_states(directory);
+      read_full_files(kFullModelBin);
     } else {
       TORCH_CHECK(fs::exists(marker_path) || !random_states_from_accelerate(directory), "checkpoint directory '",
                   directory, "' was written by Accelerate (its ", random_states_file(0),
-                  " holds NumPy's generator), but not as a complete SHARDED_STATE_DICT checkpoint: fsdp.cpp resumes "
-                  "Accelerate's checkpoints whose ", kShardedModel, "/ and ", kShardedOptimizer,
-                  "/ are DCP directories with their .metadata; FULL_STATE_DICT and LOCAL_STATE_DICT files are Python "
-                  "pickles it does not read. Save with SHARDED_STATE_DICT, or load only the weights");
+                  " holds NumPy's generator), but not as a complete SHARDED_STATE_DICT or FULL_STATE_DICT checkpoint: "
+                  "fsdp.cpp resumes Accelerate's checkpoints whose ", kShardedModel, "/ and ", kShardedOptimizer,
+                  "/ are DCP directories with their .metadata, or which hold ", kFullModelBin, " and ", kFullOptimizer,
+                  ". LOCAL_STATE_DICT (FSDP1's per-rank ", local_model_file(0),
+                  ", whose flat parameters are pickled ShardedTensor objects) is not read. Save with "
+                  "SHARDED_STATE_DICT or FULL_STATE_DICT, or load only the weights");
       TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
                   " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
                   "Load an earlier checkpoint");
@@ -450,24 +511,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
                                          : std::string(kFullModelBin);
         TORCH_CHECK(recorded == kFullModelBin || recorded == kFullModelSafetensors, "'", marker_path,
                     "' names model file '", recorded, "'");
-        model_file = path_in(directory, recorded);
-        TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ", recorded);
-        TORCH_CHECK(fs::exists(path_in(directory, kFullOptimizer)), "checkpoint directory '", directory, "' lacks ",
-                    kFullOptimizer);
-        // rank0_only: rank 0 alone reads the full files, and the others receive their rows.
-        if (context.rank() == 0 || !model_from_rank0) {
-          TensorList tensors;
-          if (recorded == kFullModelSafetensors) {
-            tensors = read_safetensors(model_file);
-          } else {
-            tensors = tensor_dict_items(load_torch_file(model_file), model_file);
-          }
-          full_source = std::make_unique<TensorListSource>(std::move(tensors), "'" + model_file + "'");
-        }
-        if (context.rank() == 0 && optimizer_from_rank0) {
-          const auto optimizer_path = path_in(directory, kFullOptimizer);
-          full_optimizer = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
-        }
+        read_full_files(recorded);
       } else {
         if (type == StateDictType::kShardedStateDict) {
           model_reader = open_sharded_directory(path_in(directory, kShardedModel));
@@ -507,7 +551,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         full_source.reset();
         if (optimizer_from_rank0) break;
         const auto optimizer_path = path_in(directory, kFullOptimizer);
-        const auto state = optimizer_state_dict_from_ivalue(load_torch_file(optimizer_path), optimizer_path);
+        const auto state = read_full_optimizer(optimizer_path, optimizer);
         TensorList tensors;
         for (const auto& [name, tensor] : state.tensors) tensors.emplace_back(name, tensor.local);
         load_optimizer_state_dict(model, optimizer, state.optimizer, state.param_groups_json,
@@ -523,8 +567,9 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         load_optimizer_from_directory(model, optimizer, *optimizer_reader);
         break;
     }
-    progress = written_by_accelerate ? load_accelerate_progress(directory, context, saved_world_size, *optimizer_reader)
-                                     : load_progress(directory, context, saved_world_size, step, save_id);
+    progress = written_by_accelerate
+                   ? load_accelerate_progress(directory, context, saved_world_size, loaded_step(model, optimizer))
+                   : load_progress(directory, context, saved_world_size, step, save_id);
   });
   return progress;
 }

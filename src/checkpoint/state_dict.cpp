@@ -675,12 +675,13 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
   };
   if (!value.isGenericDict()) fail(std::string("holds a ") + value.tagKind().c_str());
   const auto dict = value.toGenericDict();
-  if (!dict.contains("optimizer") || !dict.contains("state") || !dict.contains("param_groups")) {
-    fail("lacks one of 'optimizer', 'state', 'param_groups'");
-  }
+  if (!dict.contains("state") || !dict.contains("param_groups")) fail("lacks 'state' or 'param_groups'");
   OptimizerStateDict result;
-  if (!dict.at("optimizer").isString()) fail("'optimizer' is not a string");
-  result.optimizer = dict.at("optimizer").toStringRef();
+  // PyTorch's optimizer.state_dict() does not name its class (result.optimizer stays empty); fsdp.cpp's does.
+  if (dict.contains("optimizer")) {
+    if (!dict.at("optimizer").isString()) fail("'optimizer' is not a string");
+    result.optimizer = dict.at("optimizer").toStringRef();
+  }
   if (!dict.at("state").isGenericDict()) fail("'state' is not a dict");
   for (const auto& parameter : dict.at("state").toGenericDict()) {
     if (!parameter.key().isString() || !parameter.value().isGenericDict()) fail("'state' has a malformed entry");

@@ -199,6 +199,14 @@ class Machine {
                       callee->describe(), ", which is not a class or function reference");
           TORCH_CHECK(arguments->kind == Kind::kTuple, where(at), "the arguments of ", callee->text, " are a ",
                       arguments->describe(), ", not a tuple");
+          if (callee->text == "collections.OrderedDict" && arguments->items.empty()) {
+            // A dict subclass whose order is the insertion order a kDict keeps anyway: SETITEMS fill
+            // it, and the BUILD that may follow (model.state_dict()'s _metadata) is recorded only.
+            auto* dict = make(Kind::kDict);
+            dict->callee = callee;
+            push(dict);
+            break;
+          }
           auto* object = make(Kind::kObject);
           object->callee = callee;
           object->arguments = arguments;
@@ -221,8 +229,9 @@ class Machine {
         }
         case 'b': {  // BUILD: obj.__setstate__(state)
           auto* state = pop(at);
-          TORCH_CHECK(!stack_.empty() && stack_.back()->kind == Kind::kObject, where(at), "BUILD on ",
-                      stack_.empty() ? std::string("an empty stack") : stack_.back()->describe(),
+          TORCH_CHECK(!stack_.empty() && (stack_.back()->kind == Kind::kObject ||
+                                          (stack_.back()->kind == Kind::kDict && stack_.back()->callee != nullptr)),
+                      where(at), "BUILD on ", stack_.empty() ? std::string("an empty stack") : stack_.back()->describe(),
                       ", not on an object");
           TORCH_CHECK(stack_.back()->state == nullptr, where(at), "BUILD of ", stack_.back()->describe(), " twice");
           const_cast<PickleValue*>(stack_.back())->state = state;

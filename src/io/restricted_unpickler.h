@@ -33,6 +33,8 @@ struct PickleValue {
   /// kTuple, kList: the elements; kDict: keys and values alternating, in insertion order.
   std::vector<const PickleValue*> items;
   /// kObject: the global called or instantiated, its argument tuple, and the BUILD state (or null).
+  /// kDict made by `collections.OrderedDict()`: that global and the BUILD state (its instance
+  /// attributes, such as model.state_dict()'s _metadata), recorded and otherwise ignored.
   const PickleValue* callee = nullptr;
   const PickleValue* arguments = nullptr;
   const PickleValue* state = nullptr;

@@ -10,12 +10,15 @@
 
 #include <cstring>
 #include <filesystem>
+#include <map>
+#include <set>
 #include <fstream>
 #include <iterator>
 #include <memory>
 #include <unordered_set>
 
 #include "io/atomic_file.h"
+#include "io/restricted_unpickler.h"
 
 namespace fsdp {
 
@@ -269,6 +272,220 @@ void check_tensors_inside_storages(const c10::IValue& root) {
   }
 }
 
+// Note [torch files through the restricted unpickler]
+// libtorch's unpickler reads what libtorch writes, and Python's torch.save of plain dicts, lists and
+// tensors of the legacy dtypes; it cannot build an OrderedDict (which model.state_dict() and
+// therefore Accelerate's FULL_STATE_DICT pytorch_model_fsdp.bin are) or read _rebuild_tensor_v3 (how
+// torch.save writes float8 and uint16/32/64 tensors). Those files are read again through the
+// restricted unpickler (src/io/restricted_unpickler.h), which builds nothing but an allow-list of
+// names: dicts (OrderedDict as a dict; the _metadata it carries is ignored), lists, tuples, numbers,
+// strings, None, and tensors made by _rebuild_tensor_v2 or _rebuild_tensor_v3 (or
+// _rebuild_parameter around one) over a storage the archive holds, each storage record exactly as
+// long as its reference says, each tensor inside its storage. No code runs and no other class is
+// built; anything else is an error naming it.
+class RestrictedArchive {
+ public:
+  RestrictedArchive(caffe2::serialize::PyTorchStreamReader& reader, const std::string& source)
+      : reader_(reader), source_(source) {}
+
+  c10::IValue convert(const detail::PickleValue& value, int depth = 0) {
+    using Kind = detail::PickleValue::Kind;
+    TORCH_CHECK(depth < kMaxDepth, where(), "nests deeper than ", kMaxDepth, " levels");
+    switch (value.kind) {
+      case Kind::kNone:
+        return c10::IValue();
+      case Kind::kBool:
+        return value.boolean;
+      case Kind::kInt:
+        return value.integer;
+      case Kind::kFloat:
+        return value.floating;
+      case Kind::kString:
+      case Kind::kBytes:
+        return value.text;
+      default:
+        break;
+    }
+    // Shared through the memo: one IValue (one tensor) for one pickled object.
+    if (auto done = converted_.find(&value); done != converted_.end()) return done->second;
+    TORCH_CHECK(in_progress_.insert(&value).second, where(), "contains itself (a cycle)");
+    c10::IValue result;
+    switch (value.kind) {
+      case Kind::kTuple: {
+        std::vector<c10::IValue> elements;
+        for (const auto* item : value.items) elements.push_back(convert(*item, depth + 1));
+        result = c10::ivalue::Tuple::create(std::move(elements));
+        break;
+      }
+      case Kind::kList: {
+        c10::impl::GenericList list(c10::AnyType::get());
+        for (const auto* item : value.items) list.push_back(convert(*item, depth + 1));
+        result = list;
+        break;
+      }
+      case Kind::kDict: {
+        bool strings = true, integers = true;
+        for (size_t index = 0; index < value.items.size(); index += 2) {
+          strings = strings && value.items[index]->kind == Kind::kString;
+          integers = integers && value.items[index]->kind == Kind::kInt;
+        }
+        TORCH_CHECK(strings || integers, where(), "has a dict whose keys are neither all strings nor all integers");
+        c10::impl::GenericDict dict(strings ? c10::TypePtr(c10::StringType::get()) : c10::TypePtr(c10::IntType::get()),
+                                    c10::AnyType::get());
+        for (size_t index = 0; index < value.items.size(); index += 2) {
+          dict.insert_or_assign(convert(*value.items[index], depth + 1), convert(*value.items[index + 1], depth + 1));
+        }
+        result = dict;
+        break;
+      }
+      case Kind::kObject:
+        result = tensor(value, depth);
+        break;
+      default:
+        TORCH_CHECK(false, where(), "holds a bare ", value.describe(), ", which is not data");
+    }
+    in_progress_.erase(&value);
+    converted_.emplace(&value, result);
+    return result;
+  }
+
+  static const std::set<std::string>& allowed_globals() {
+    static const std::set<std::string> names = [] {
+      std::set<std::string> allowed = {detail::kPersistentLoad, "collections.OrderedDict",
+                                       "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
+                                       "torch._utils._rebuild_parameter", "torch.storage.UntypedStorage"};
+      for (const auto& [name, dtype] : typed_storages()) allowed.insert(name);
+      for (const auto& [name, dtype] : dtype_names()) allowed.insert(name);
+      return allowed;
+    }();
+    return names;
+  }
+
+ private:
+  static constexpr int kMaxDepth = 100;
+
+  static const std::map<std::string, c10::ScalarType>& typed_storages() {
+    static const std::map<std::string, c10::ScalarType> storages = {
+        {"torch.DoubleStorage", c10::kDouble},  {"torch.FloatStorage", c10::kFloat},
+        {"torch.HalfStorage", c10::kHalf},      {"torch.BFloat16Storage", c10::kBFloat16},
+        {"torch.LongStorage", c10::kLong},      {"torch.IntStorage", c10::kInt},
+        {"torch.ShortStorage", c10::kShort},    {"torch.CharStorage", c10::kChar},
+        {"torch.ByteStorage", c10::kByte},      {"torch.BoolStorage", c10::kBool},
+        {"torch.ComplexFloatStorage", c10::kComplexFloat}, {"torch.ComplexDoubleStorage", c10::kComplexDouble}};
+    return storages;
+  }
+  // The dtypes _rebuild_tensor_v3 names (a torch.dtype pickles as the global torch.<name>).
+  static const std::map<std::string, c10::ScalarType>& dtype_names() {
+    static const std::map<std::string, c10::ScalarType> dtypes = {
+        {"torch.float64", c10::kDouble},          {"torch.float32", c10::kFloat},
+        {"torch.float16", c10::kHalf},            {"torch.bfloat16", c10::kBFloat16},
+        {"torch.int64", c10::kLong},              {"torch.int32", c10::kInt},
+        {"torch.int16", c10::kShort},             {"torch.int8", c10::kChar},
+        {"torch.uint8", c10::kByte},              {"torch.bool", c10::kBool},
+        {"torch.complex64", c10::kComplexFloat},  {"torch.complex128", c10::kComplexDouble},
+        {"torch.uint16", c10::kUInt16},           {"torch.uint32", c10::kUInt32},
+        {"torch.uint64", c10::kUInt64},           {"torch.float8_e4m3fn", c10::kFloat8_e4m3fn},
+        {"torch.float8_e5m2", c10::kFloat8_e5m2}, {"torch.float8_e4m3fnuz", c10::kFloat8_e4m3fnuz},
+        {"torch.float8_e5m2fnuz", c10::kFloat8_e5m2fnuz}};
+    return dtypes;
+  }
+
+  std::string where() const { return "torch file '" + source_ + "' "; }
+
+  std::vector<int64_t> integers(const detail::PickleValue& tuple, const char* what) const {
+    using Kind = detail::PickleValue::Kind;
+    TORCH_CHECK(tuple.kind == Kind::kTuple && tuple.items.size() <= 64, where(), "has a tensor whose ", what,
+                " is a ", tuple.describe(), ", expected a tuple of at most 64 integers");
+    std::vector<int64_t> values;
+    for (const auto* item : tuple.items) {
+      TORCH_CHECK(item->kind == Kind::kInt && item->integer >= 0, where(), "has a tensor whose ", what, " holds a ",
+                  item->describe(), " that is not a non-negative integer");
+      values.push_back(item->integer);
+    }
+    return values;
+  }
+
+  at::Tensor tensor(const detail::PickleValue& call, int depth) {
+    using Kind = detail::PickleValue::Kind;
+    const auto& name = call.callee->text;
+    const auto& arguments = call.arguments->items;
+    if (name == "torch._utils._rebuild_parameter") {
+      // _rebuild_parameter(data, requires_grad, backward_hooks): the tensor is what is kept.
+      TORCH_CHECK(!arguments.empty() && arguments[0]->kind == Kind::kObject, where(),
+                  "has a _rebuild_parameter without a tensor");
+      return convert(*arguments[0], depth + 1).toTensor();
+    }
+    const bool v3 = name == "torch._utils._rebuild_tensor_v3";
+    TORCH_CHECK(v3 || name == "torch._utils._rebuild_tensor_v2", where(), "holds an object of ", name,
+                ", which a torch file of tensors does not hold");
+    TORCH_CHECK(arguments.size() >= (v3 ? 7u : 4u) && arguments[1]->kind == Kind::kInt && arguments[1]->integer >= 0,
+                where(), "has a ", name, " call with arguments it does not take");
+    const auto* reference = arguments[0];
+    TORCH_CHECK(reference->kind == Kind::kObject && reference->callee->text == detail::kPersistentLoad &&
+                    reference->arguments->items.size() == 1 && reference->arguments->items[0]->kind == Kind::kTuple,
+                where(), "has a tensor without a storage reference");
+    const auto& fields = reference->arguments->items[0]->items;
+    TORCH_CHECK(fields.size() == 5 && fields[0]->kind == Kind::kString && fields[0]->text == "storage" &&
+                    fields[1]->kind == Kind::kGlobal && fields[2]->kind == Kind::kString &&
+                    fields[4]->kind == Kind::kInt && fields[4]->integer >= 0,
+                where(), "has a storage reference that is not ('storage', class, key, location, size)");
+    c10::ScalarType dtype;
+    int64_t bytes = 0;
+    if (v3) {
+      TORCH_CHECK(fields[1]->text == "torch.storage.UntypedStorage", where(), "has a _rebuild_tensor_v3 over a ",
+                  fields[1]->text, ", expected torch.storage.UntypedStorage");
+      TORCH_CHECK(arguments[6]->kind == Kind::kGlobal && dtype_names().count(arguments[6]->text), where(),
+                  "has a _rebuild_tensor_v3 whose dtype is a ", arguments[6]->describe());
+      dtype = dtype_names().at(arguments[6]->text);
+      bytes = fields[4]->integer;
+    } else {
+      auto storage_class = typed_storages().find(fields[1]->text);
+      TORCH_CHECK(storage_class != typed_storages().end(), where(), "has a storage of class ", fields[1]->text);
+      dtype = storage_class->second;
+      TORCH_CHECK(!c10::mul_overflows(fields[4]->integer, static_cast<int64_t>(c10::elementSize(dtype)), &bytes),
+                  where(), "has a storage of ", fields[4]->integer, " elements, too many");
+    }
+    const auto& key = fields[2]->text;
+    auto storage = storages_.find(key);
+    if (storage == storages_.end()) {
+      const auto record = "data/" + key;
+      TORCH_CHECK(reader_.hasRecord(record), where(), "lacks the storage record '", record, "'");
+      auto [data, size] = reader_.getRecord(record);
+      TORCH_CHECK(static_cast<int64_t>(size) == bytes, where(), "has a storage record '", record, "' of ", size,
+                  " bytes where its reference says ", bytes);
+      storage = storages_
+                    .emplace(key, c10::Storage(c10::Storage::use_byte_size_t(), size, std::move(data),
+                                               /*allocator=*/nullptr, /*resizable=*/false))
+                    .first;
+    }
+    const auto sizes = integers(*arguments[2], "size");
+    const auto strides = integers(*arguments[3], "stride");
+    TORCH_CHECK(sizes.size() == strides.size(), where(), "has a tensor with ", sizes.size(), " sizes and ",
+                strides.size(), " strides");
+    // check_tensors_inside_storages (below, on the whole value) bounds the view by its storage.
+    return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage->second, arguments[1]->integer, sizes, strides);
+  }
+
+  caffe2::serialize::PyTorchStreamReader& reader_;
+  std::string source_;
+  std::map<std::string, c10::Storage> storages_;
+  std::map<const detail::PickleValue*, c10::IValue> converted_;
+  std::set<const detail::PickleValue*> in_progress_;
+};
+
+c10::IValue load_torch_bytes_restricted(const std::vector<char>& bytes, const std::string& path) {
+  caffe2::serialize::PyTorchStreamReader reader(
+      std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
+  check_declared_sizes(reader, bytes.size());
+  auto [pickle, pickle_size] = reader.getRecord("data.pkl");
+  const auto document = detail::restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size,
+                                                    RestrictedArchive::allowed_globals(), path);
+  RestrictedArchive archive(reader, path);
+  auto value = archive.convert(*document.root);
+  check_tensors_inside_storages(value);
+  return value;
+}
+
 }  // namespace
 
 c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& path) {
@@ -285,15 +502,21 @@ c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& 
     return value;
   } catch (const c10::Error& error) {
     const std::string what = error.what_without_backtrace();
-    // libtorch's unpickler turns collections.OrderedDict into None and then fails an internal assert.
-    TORCH_CHECK(what.find("Expected GenericDict but got None") == std::string::npos, "cannot read torch file '", path,
-                "': it holds an OrderedDict (what model.state_dict() returns), which libtorch's unpickler cannot read; "
-                "save dict(state_dict) or a safetensors file instead");
+    // libtorch's unpickler turns collections.OrderedDict into None and then fails an internal assert,
+    // and does not know _rebuild_tensor_v3: Note [torch files through the restricted unpickler].
+    const bool ordered_dict = what.find("Expected GenericDict but got None") != std::string::npos;
     const bool newer_dtype = what.find("_rebuild_tensor_v3") != std::string::npos;
+    if (ordered_dict || newer_dtype) {
+      try {
+        return load_torch_bytes_restricted(bytes, path);
+      } catch (const c10::Error& restricted) {
+        TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes), which holds ",
+                    ordered_dict ? "an OrderedDict" : "a tensor written with _rebuild_tensor_v3", ": ",
+                    restricted.what_without_backtrace());
+      }
+    }
     TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", what,
-                newer_dtype ? ". The file holds a tensor of a dtype torch.save writes with _rebuild_tensor_v3 (float8, "
-                              "uint16/32/64), which libtorch cannot read; save it with safetensors instead"
-                            : ". Expected a torch.save zip of dicts, lists and tensors");
+                ". Expected a torch.save zip of dicts, lists and tensors");
   } catch (const std::exception& error) {
     // libtorch's unpickler also throws std::bad_alloc, std::out_of_range, ... on malformed bytes.
     TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", error.what(),

@@ -1,9 +1,11 @@
 // Resuming from what Accelerate wrote (src/checkpoint/accelerate_states.h, checkpoint.h): a
 // checkpoint tests/python/accelerate_checkpoint.py saves with Accelerate's own save_fsdp_model,
-// save_fsdp_optimizer and save_accelerator_state under FSDP2 on 2 ranks, found by
-// Accelerator::latest_checkpoint as checkpoints/checkpoint_0 and loaded by Accelerator::load_state
-// on 2 and 3 ranks, continues with the losses PyTorch got continuing from it (within 1e-5); what
-// cannot be restored (NumPy's and Python's generators, the PyTorch scheduler) is named.
+// save_fsdp_optimizer and save_accelerator_state under FSDP2 on 2 ranks, with SHARDED_STATE_DICT
+// (DCP directories) or FULL_STATE_DICT (rank 0's torch.save of an OrderedDict and of the optimizer's
+// state dict), found by Accelerator::latest_checkpoint as checkpoints/checkpoint_0 and loaded by
+// Accelerator::load_state on 2 and 3 ranks, continues with the losses PyTorch got continuing from it
+// (within 1e-5); what cannot be restored (NumPy's and Python's generators, the PyTorch scheduler) is
+// named.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -11,6 +13,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <tuple>
 
 #include <fsdp/fsdp.h>
 
@@ -34,16 +37,21 @@ bool lists(const std::vector<std::string>& entries, const std::string& text) {
   return false;
 }
 
-class ResumeFromAccelerate : public ::testing::TestWithParam<int> {};
+class ResumeFromAccelerate : public ::testing::TestWithParam<std::tuple<int, std::string>> {};
 
 TEST_P(ResumeFromAccelerate, ContinuesWithTheLossesPyTorchGetsFromIt) {
+  const auto [world_size, state_dict_type] = GetParam();
   const auto root = testing::shared_temporary_directory();
   if (!testing::is_rank_process()) {
     testing::PythonOptions options;
     options.world_size = 2;
-    ASSERT_TRUE(testing::run_python("accelerate_checkpoint.py", {root}, options).ok);
+    ASSERT_TRUE(testing::run_python("accelerate_checkpoint.py", {root, state_dict_type}, options).ok);
+    const auto checkpoint = fs::path(root) / "checkpoints" / "checkpoint_0";
+    // The layout under test, as Accelerate wrote it.
+    EXPECT_EQ(fs::exists(checkpoint / "pytorch_model_fsdp.bin"), state_dict_type == "FULL_STATE_DICT");
+    EXPECT_EQ(fs::exists(checkpoint / "pytorch_model_fsdp_0" / ".metadata"), state_dict_type == "SHARDED_STATE_DICT");
   }
-  testing::run_on_ranks(GetParam(), [root](const DistributedContext& context) {
+  testing::run_on_ranks(world_size, [root](const DistributedContext& context) {
     nlohmann::json expected;
     std::ifstream(root + "/losses.json") >> expected;
     torch::manual_seed(99);  // other weights than the saved ones: the load must replace every one
@@ -82,12 +90,17 @@ TEST_P(ResumeFromAccelerate, ContinuesWithTheLossesPyTorchGetsFromIt) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, ResumeFromAccelerate, ::testing::Values(2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
+INSTANTIATE_TEST_SUITE_P(Ranks, ResumeFromAccelerate,
+                         ::testing::Combine(::testing::Values(2, 3),
+                                            ::testing::Values("SHARDED_STATE_DICT", "FULL_STATE_DICT")),
+                         [](const ::testing::TestParamInfo<std::tuple<int, std::string>>& info) {
+                           const auto& type = std::get<1>(info.param);
+                           return type.substr(0, type.find('_')) + "_" + std::to_string(std::get<0>(info.param)) + "ranks";
+                         });
 
-// A checkpoint directory Accelerate left incomplete, or wrote in a layout fsdp.cpp does not resume,
-// is named for what it is, never "did not finish on every rank" of an fsdp.cpp save.
-TEST(ResumeFromAccelerateRefuses, IncompleteAndFullCheckpointsAreNamed) {
+// A checkpoint directory Accelerate left incomplete (or wrote as LOCAL_STATE_DICT, which fsdp.cpp
+// does not resume) is named for what it is, never "did not finish on every rank" of an fsdp.cpp save.
+TEST(ResumeFromAccelerateRefuses, IncompleteCheckpointsAreNamed) {
   const auto root = testing::shared_temporary_directory();
   if (!testing::is_rank_process()) {
     testing::PythonOptions options;
@@ -104,7 +117,7 @@ TEST(ResumeFromAccelerateRefuses, IncompleteAndFullCheckpointsAreNamed) {
     const auto message = testing::error_message_of(
         [&] { load_checkpoint(root + "/checkpoints/checkpoint_0", *model, optimizer, context); });
     EXPECT_NE(message.find("was written by Accelerate (its random_states_0.pkl holds NumPy's generator), but not as a "
-                           "complete SHARDED_STATE_DICT checkpoint"),
+                           "complete SHARDED_STATE_DICT or FULL_STATE_DICT checkpoint"),
               std::string::npos)
         << message;
     EXPECT_EQ(message.find("did not finish on every rank"), std::string::npos) << message;

@@ -1,8 +1,9 @@
-"""A checkpoint the way Accelerate's save_state writes it under FSDP2 with SHARDED_STATE_DICT, and
-the losses PyTorch gets continuing from it, for tests/checkpoint/dcp_writer_test.cpp's resume test.
-Run on N processes with torchrun's variables.
+"""A checkpoint the way Accelerate's save_state writes it under FSDP2 with SHARDED_STATE_DICT (or
+FULL_STATE_DICT), and the losses PyTorch gets continuing from it, for
+tests/checkpoint/accelerate_states_test.cpp's resume test. Run on N processes with torchrun's
+variables.
 
-    accelerate_checkpoint.py DIR
+    accelerate_checkpoint.py DIR [SHARDED_STATE_DICT | FULL_STATE_DICT]
 
 Every rank builds dcp_fixture.py's MODEL (seed 0, four Linears) with fully_shard, AdamW(lr 0.01,
 betas (0.8, 0.9), weight decay 0.1) and a constant LambdaLR, and takes STEPS_BEFORE steps: step s
@@ -10,7 +11,9 @@ draws torch.manual_seed(100 + s); randn(6, 3), each rank takes its rows, the los
 the output squared. Then Accelerate's own functions save what Accelerator.save_state saves, into
 DIR/checkpoints/checkpoint_0 (its automatic naming): save_fsdp_model and save_fsdp_optimizer (DCP
 pytorch_model_fsdp_0/ and optimizer_0/), then save_accelerator_state (scheduler.bin and
-random_states_<rank>.pkl with Python's, NumPy's and torch's generators). Training continues for
+random_states_<rank>.pkl with Python's, NumPy's and torch's generators); under FULL_STATE_DICT the
+model and optimizer are rank 0's pytorch_model_fsdp.bin (an OrderedDict) and optimizer.bin instead.
+Training continues for
 STEPS_AFTER steps; rank 0 writes DIR/losses.json: {"resumed": [the mean loss over ranks of each]}.
 Accelerate's Accelerator itself does not run FSDP on CPU, so its functions are called directly with
 the plugin it would hold.
@@ -46,7 +49,7 @@ def step(model, optimizer, scheduler, index):
     return total.item() / dist.get_world_size()
 
 
-def main(directory):
+def main(directory, state_dict_type):
     torch.set_num_threads(1)
     PartialState(cpu=True)  # Accelerate's process group (gloo) and the state its logging needs
     model = build()
@@ -54,7 +57,7 @@ def main(directory):
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
     for index in range(STEPS_BEFORE):
         step(model, optimizer, scheduler, index)
-    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type="SHARDED_STATE_DICT")
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, state_dict_type=state_dict_type)
     accelerator = types.SimpleNamespace(process_index=dist.get_rank(), num_processes=dist.get_world_size(),
                                         is_main_process=dist.get_rank() == 0)
     output = f"{directory}/checkpoints/checkpoint_0"
@@ -76,6 +79,6 @@ def main(directory):
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 2:
+    if len(sys.argv) not in (2, 3) or sys.argv[2:] not in ([], ["SHARDED_STATE_DICT"], ["FULL_STATE_DICT"]):
         raise SystemExit(__doc__)
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) == 3 else "SHARDED_STATE_DICT")

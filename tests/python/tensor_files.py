@@ -3,9 +3,11 @@
     tensor_files.py check DIR    reads DIR/ours.safetensors and DIR/ours.bin (written by fsdp.cpp)
                                  and compares every tensor, bit for bit, with expected_tensors()
     tensor_files.py write DIR    writes DIR/theirs.safetensors (safetensors.torch.save_file),
-                                 DIR/theirs.bin (torch.save of a dict), DIR/theirs_ordered.bin
-                                 (torch.save of an OrderedDict, as model.state_dict() gives) and
-                                 DIR/theirs_float8.bin (a dtype libtorch cannot read from torch.save)
+                                 DIR/theirs.bin (torch.save of a dict of the dtypes libtorch reads),
+                                 DIR/theirs_ordered.bin (torch.save of an OrderedDict with _metadata,
+                                 as model.state_dict() gives, of every dtype) and
+                                 DIR/theirs_all_dtypes.bin (a dict of every dtype: float8 and
+                                 uint16/32/64 through _rebuild_tensor_v3)
 
 expected_tensors() mirrors expected_tensors() in tests/io/tensor_files_crosscheck_test.cpp: both sides
 build the same values from arange and the same dtype conversions.
@@ -91,8 +93,12 @@ def write(directory):
     save_file(expected, f"{directory}/theirs.safetensors", metadata={"format": "pt", "writer": "safetensors"})
     legacy = expected_tensors(TORCH_FILE_DTYPES)
     torch.save(legacy, f"{directory}/theirs.bin")
-    torch.save(collections.OrderedDict(legacy), f"{directory}/theirs_ordered.bin")
-    torch.save({"w": sample(torch.float8_e4m3fn)}, f"{directory}/theirs_float8.bin")
+    # What model.state_dict() is: an OrderedDict with a _metadata attribute; every dtype, the newer
+    # ones through _rebuild_tensor_v3.
+    ordered = collections.OrderedDict(expected)
+    ordered._metadata = collections.OrderedDict({"": {"version": 1}})
+    torch.save(ordered, f"{directory}/theirs_ordered.bin")
+    torch.save(dict(expected), f"{directory}/theirs_all_dtypes.bin")
     print(f"wrote {len(expected)} tensors with safetensors {sys.modules['safetensors'].__version__} "
           f"and torch {torch.__version__}")
 
