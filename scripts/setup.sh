@@ -196,6 +196,14 @@ if [[ "$fsdp_sanitize" == 1 ]]; then
   # -O1 -g1: sanitizer reports with line numbers, compiling faster than -O2 -g.
   build_arguments=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DFSDP_SANITIZE=ON)
 fi
+if ((!for_run)); then
+  # The save fault test's hook (Note [fault injection in saves]), for the tests' build only.
+  build_arguments+=(-DFSDP_FAULT_INJECTION=ON)
+  if [[ -f "$cache" ]] && ! grep -qx "FSDP_FAULT_INJECTION:BOOL=ON" "$cache"; then
+    cmake -S "$root" -B "$build_dir" -DFSDP_FAULT_INJECTION=ON >/dev/null ||
+      fail "CMake could not turn on FSDP_FAULT_INJECTION in $build_dir (its error is above)."
+  fi
+fi
 if [[ ! -f "$cache" ]]; then
   cmake -S "$root" -B "$build_dir" -G Ninja "${build_arguments[@]}" \
     "-DCMAKE_PREFIX_PATH=$torch_prefix" "-DFSDP_TEST_PYTHON=$venv_python" ${cuda_arguments[@]+"${cuda_arguments[@]}"} ||

@@ -120,7 +120,9 @@ class Accelerator {
   /// rank (Note [Collective check]). One tensor, not Accelerate's nested containers. Collective.
   at::Tensor gather(const at::Tensor& tensor) const;
   /// Sum or mean over ranks ("sum" / "mean"); the mean of an integer tensor is an error, as in
-  /// Accelerate. No `scale` (Accelerate applies its scale only on XLA). Collective.
+  /// Accelerate on several processes (on one process Accelerate returns the tensor without reducing
+  /// and without that error; here one rank checks as many do). No `scale` (Accelerate applies its
+  /// scale only on XLA). Collective.
   at::Tensor reduce(const at::Tensor& tensor, const std::string& reduction = "mean") const;
   /// Prints a line on the main process only.
   void print(const std::string& line) const;

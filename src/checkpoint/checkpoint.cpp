@@ -214,6 +214,8 @@ OptimizerStateDict read_full_optimizer(const std::string& path, torch::optim::Op
       auto type = detail::optimizer_type_of_param_group(group);
       TORCH_CHECK(!type.empty(), "optimizer file '", path, "': a parameter group has options ", group.dump(),
                   ", which are none of AdamW, Adam, SGD, Adagrad and RMSprop");
+      // PyTorch's Adam and AdamW groups hold the same options unless "decoupled_weight_decay" is there
+      // to tell them apart (it is not in every PyTorch's); without it, the optimizer loaded into decides.
       if (type == "AdamW" && !group.contains("decoupled_weight_decay") && detail::optimizer_type(optimizer) == "Adam") {
         type = "Adam";
       }
@@ -243,19 +245,19 @@ int64_t count_random_states(const std::string& directory) {
   return count;
 }
 
-// The progress of a checkpoint Accelerate wrote: the optimizer's step count (Accelerate's own
-// "step" counts micro-steps of gradient accumulation, not optimizer steps), this rank's CPU
-// generator, and the names of everything that cannot be restored here, in one warning.
 // The loaded optimizer's step count: the first parameter state's "step" (they are all equal after
-// optimizer steps), or nullopt for an optimizer without one.
+// optimizer steps), or nullopt for an optimizer without one. Views: nothing is copied.
 std::optional<int64_t> loaded_step(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
-  for (const auto& [name, tensor] : sharded_optimizer_state_dict(model, optimizer).tensors) {
+  for (const auto& [name, tensor] : detail::sharded_optimizer_state_dict_views(model, optimizer).tensors) {
     if (name.size() < 5 || name.compare(name.size() - 5, 5, ".step") != 0) continue;
     return static_cast<int64_t>(tensor.local.item<double>());  // checked when it was loaded
   }
   return std::nullopt;
 }
 
+// The progress of a checkpoint Accelerate wrote: the optimizer's step count (Accelerate's own
+// "step" counts micro-steps of gradient accumulation, not optimizer steps), this rank's CPU
+// generator, and the names of everything that cannot be restored here, in one warning.
 TrainingProgress load_accelerate_progress(const std::string& directory, const DistributedContext& context,
                                           int64_t saved_world_size, std::optional<int64_t> step) {
   TrainingProgress progress;

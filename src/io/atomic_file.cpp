@@ -20,8 +20,8 @@ namespace {
 
 #ifdef FSDP_FAULT_INJECTION
 // Note [fault injection in saves]
-// A build with FSDP_FAULT_INJECTION (CMake's option of that name, on where the tests are built)
-// numbers every write, fsync and rename this layer makes in a process, and with
+// A build with FSDP_FAULT_INJECTION (CMake's option of that name: off by default, on in the tests'
+// build that scripts/setup.sh configures) numbers every write, fsync and rename this layer makes in a process, and with
 // FSDP_TEST_FAULT_KILL_AT=k (and FSDP_TEST_FAULT_KILL_RANK=r, matched against RANK) kills the process with
 // SIGKILL just before the k-th: a machine losing power in the middle of a save, at a chosen byte
 // boundary. FSDP_TEST_FAULT_LOG=path appends "<rank> <k> <operation> <file>" for each, so a test can
@@ -81,8 +81,8 @@ void write_file_atomically(const std::string& path, const std::function<void(con
   auto sink = [&](const void* data, size_t size) {
     const auto* bytes = static_cast<const char*>(data);
     size_t written = 0;
+    fault_point("write", temporary);  // once per write asked for, however many calls the kernel needs
     while (written < size) {
-      fault_point("write", temporary);
       ssize_t n = ::write(fd, bytes + written, size - written);
       if (n < 0 && errno == EINTR) continue;
       if (n <= 0) fail("write");

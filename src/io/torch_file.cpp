@@ -440,7 +440,8 @@ class RestrictedArchive {
       bytes = fields[4]->integer;
     } else {
       auto storage_class = typed_storages().find(fields[1]->text);
-      TORCH_CHECK(storage_class != typed_storages().end(), where(), "has a storage of class ", fields[1]->text);
+      TORCH_CHECK(storage_class != typed_storages().end(), where(), "has a _rebuild_tensor_v2 over a storage of class ",
+                  fields[1]->text, ", expected one of torch's typed storages (torch.FloatStorage, torch.HalfStorage, ...)");
       dtype = storage_class->second;
       TORCH_CHECK(!c10::mul_overflows(fields[4]->integer, static_cast<int64_t>(c10::elementSize(dtype)), &bytes),
                   where(), "has a storage of ", fields[4]->integer, " elements, too many");
@@ -458,11 +459,28 @@ class RestrictedArchive {
                                                /*allocator=*/nullptr, /*resizable=*/false))
                     .first;
     }
+    // A storage shared by several tensors: every reference must give it the same length.
+    TORCH_CHECK(static_cast<int64_t>(storage->second.nbytes()) == bytes, where(), "refers to storage '", key,
+                "' as ", bytes, " bytes and elsewhere as ", storage->second.nbytes());
     const auto sizes = integers(*arguments[2], "size");
     const auto strides = integers(*arguments[3], "stride");
     TORCH_CHECK(sizes.size() == strides.size(), where(), "has a tensor with ", sizes.size(), " sizes and ",
                 strides.size(), " strides");
-    // check_tensors_inside_storages (below, on the whole value) bounds the view by its storage.
+    // The view must lie inside its storage before it is made (set_ would try to grow the storage);
+    // check_tensors_inside_storages checks the whole value again afterwards.
+    const int64_t offset = arguments[1]->integer;
+    int64_t last = offset, reach = 0, needed = 0;
+    bool empty = false, fits = true;
+    for (size_t dim = 0; dim < sizes.size(); ++dim) {
+      empty = empty || sizes[dim] == 0;
+      fits = fits && !c10::mul_overflows(sizes[dim] == 0 ? 0 : sizes[dim] - 1, strides[dim], &reach) &&
+             !c10::add_overflows(last, reach, &last);
+    }
+    fits = fits && !c10::add_overflows(last, int64_t{1}, &last) &&
+           !c10::mul_overflows(last, static_cast<int64_t>(c10::elementSize(dtype)), &needed);
+    TORCH_CHECK(empty || (fits && needed <= static_cast<int64_t>(storage->second.nbytes())), where(), "has a ",
+                dtype, " tensor of sizes ", sizes, ", strides ", strides, " and storage offset ", offset,
+                " that reaches past its ", storage->second.nbytes(), "-byte storage '", key, "'");
     return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage->second, arguments[1]->integer, sizes, strides);
   }
 
@@ -513,6 +531,11 @@ c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& 
         TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes), which holds ",
                     ordered_dict ? "an OrderedDict" : "a tensor written with _rebuild_tensor_v3", ": ",
                     restricted.what_without_backtrace());
+      } catch (const std::exception& restricted) {
+        // The zip reader under it throws std::exception subclasses too (std::bad_alloc, ...).
+        TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes), which holds ",
+                    ordered_dict ? "an OrderedDict" : "a tensor written with _rebuild_tensor_v3", ": ",
+                    restricted.what());
       }
     }
     TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", what,

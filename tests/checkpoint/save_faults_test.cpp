@@ -20,19 +20,13 @@
 #include <set>
 #include <sstream>
 
+#include "harness/file_bytes.h"
 #include "harness/run_command.h"
 
 namespace {
 
 namespace fs = std::filesystem;
 using fsdp::testing::run_command;
-
-std::string save_fault_file_bytes(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
 
 // Every regular file under `directory`, by relative path, with its bytes; `skip` relative paths
 // (and everything under them) are left out.
@@ -45,7 +39,7 @@ std::map<std::string, std::string> files_under(const fs::path& directory, const 
       if (it->is_directory()) it.disable_recursion_pending();
       continue;
     }
-    if (it->is_regular_file()) files[relative] = save_fault_file_bytes(it->path());
+    if (it->is_regular_file()) files[relative] = fsdp::testing::file_bytes(it->path());
   }
   return files;
 }
@@ -99,7 +93,7 @@ TEST_F(SaveFaults, AKillAtAnyWriteFsyncOrRenameOfASaveLeavesThePreviousCheckpoin
   // what the run writes later taken away).
   auto result = run_command(command(root_ / "reference", 4, false, false, ""));
   ASSERT_EQ(result.exit_code, 0) << result.output;
-  const auto expected = save_fault_file_bytes(root_ / "reference" / "final" / "model.safetensors");
+  const auto expected = fsdp::testing::file_bytes(root_ / "reference" / "final" / "model.safetensors");
   ASSERT_FALSE(expected.empty());
   const auto prefix = root_ / "prefix";
   fs::copy(root_ / "reference", prefix, fs::copy_options::recursive);
@@ -116,7 +110,7 @@ TEST_F(SaveFaults, AKillAtAnyWriteFsyncOrRenameOfASaveLeavesThePreviousCheckpoin
     fs::copy(prefix, counted, fs::copy_options::recursive);
     result = run_command(command(counted, 4, true, async, "FSDP_TEST_FAULT_LOG=" + (root_ / "faults.log").string()));
     ASSERT_EQ(result.exit_code, 0) << result.output;
-    ASSERT_EQ(save_fault_file_bytes(counted / "final" / "model.safetensors"), expected) << result.output;
+    ASSERT_EQ(fsdp::testing::file_bytes(counted / "final" / "model.safetensors"), expected) << result.output;
     std::map<int, std::vector<FaultPoint>> save_points;
     for (const auto& point : read_fault_log(root_ / "faults.log")) {
       if (point.file.find("/checkpoints/checkpoint_1") != std::string::npos) save_points[point.rank].push_back(point);
@@ -187,7 +181,7 @@ TEST_F(SaveFaults, AKillAtAnyWriteFsyncOrRenameOfASaveLeavesThePreviousCheckpoin
         const auto latest = (directory / "checkpoints" / (complete ? "checkpoint_1" : "checkpoint_0")).string();
         EXPECT_NE(result.output.find("resumed from " + latest + " at step " + (complete ? "4" : "2")), std::string::npos)
             << result.output;
-        EXPECT_EQ(save_fault_file_bytes(directory / "final" / "model.safetensors"), expected) << "the final weights differ\n"
+        EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected) << "the final weights differ\n"
                                                                                  << result.output;
         fs::remove_all(directory);
       }

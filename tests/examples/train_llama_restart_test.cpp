@@ -15,9 +15,9 @@
 #include <fstream>
 #include <iostream>
 #include <random>
-#include <sstream>
 #include <thread>
 
+#include "harness/file_bytes.h"
 #include "harness/run_command.h"
 
 namespace {
@@ -26,13 +26,6 @@ namespace fs = std::filesystem;
 using fsdp::testing::run_command;
 
 constexpr int kSteps = 8, kCheckpointEvery = 2;
-
-std::string read_file(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
 
 int logged_steps(const fs::path& directory) {
   std::ifstream file(directory / "metrics.jsonl");
@@ -48,8 +41,8 @@ pid_t rank_process(const fs::path& directory, int rank) {
     if (name.find_first_not_of("0123456789") != std::string::npos) continue;
     std::error_code error;
     if (fs::read_symlink(entry.path() / "exe", error).filename() != "train_llama") continue;
-    if (read_file(entry.path() / "cmdline").find(directory.string()) == std::string::npos) continue;
-    const auto environment = read_file(entry.path() / "environ");
+    if (fsdp::testing::file_bytes(entry.path() / "cmdline").find(directory.string()) == std::string::npos) continue;
+    const auto environment = fsdp::testing::file_bytes(entry.path() / "environ");
     if (environment.find(std::string("RANK=") + std::to_string(rank) + '\0') == 0 ||
         environment.find(std::string("\0RANK=", 6) + std::to_string(rank) + '\0') != std::string::npos) {
       return static_cast<pid_t>(std::stol(name));
@@ -86,7 +79,7 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
   auto result = run_command(command(reference, false));
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_EQ(result.output.find("Restarting"), std::string::npos) << result.output;
-  const auto expected = read_file(reference / "final" / "model.safetensors");
+  const auto expected = fsdp::testing::file_bytes(reference / "final" / "model.safetensors");
   ASSERT_FALSE(expected.empty());
   // Asynchronous checkpoints change nothing of the training: the same weights, and the same
   // checkpoints (the last one, the only one --total-limit 1 keeps, loads to the same model).
@@ -97,7 +90,7 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
                                ": staged "),
             std::string::npos)
       << result.output;
-  EXPECT_EQ(read_file(reference_async / "final" / "model.safetensors"), expected) << result.output;
+  EXPECT_EQ(fsdp::testing::file_bytes(reference_async / "final" / "model.safetensors"), expected) << result.output;
   std::vector<std::string> kept;
   for (const auto& entry : fs::directory_iterator(reference_async / "checkpoints")) {
     kept.push_back(entry.path().filename().string());
@@ -136,7 +129,7 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
     ASSERT_EQ(run.exit_code, 0) << run.output;
     if (run.output.find("Restarting") == std::string::npos) {
       // The kill landed as the rank was exiting after the last step: nothing to restart.
-      EXPECT_EQ(read_file(directory / "final" / "model.safetensors"), expected);
+      EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected);
       continue;
     }
     EXPECT_NE(run.output.find("fsdp launch: rank " + std::to_string(rank) + " (local rank " + std::to_string(rank) +
@@ -159,7 +152,7 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
       EXPECT_GE(step, after_steps - (async ? 2 : 1) * kCheckpointEvery - 1) << run.output;
       EXPECT_EQ(step % kCheckpointEvery, 0) << run.output;
     }
-    EXPECT_EQ(read_file(directory / "final" / "model.safetensors"), expected) << "the final weights differ\n" << run.output;
+    EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected) << "the final weights differ\n" << run.output;
     EXPECT_EQ(logged_steps(directory), kSteps) << "metrics.jsonl keeps one line a step";
   }
   // Kills land after 1 to 6 of the 8 steps: nearly every trial restarts, or the test proves little.

@@ -11,8 +11,8 @@
 
 #include <filesystem>
 #include <fstream>
-#include <sstream>
 
+#include "harness/file_bytes.h"
 #include "harness/python_peer.h"
 #include "harness/run_command.h"
 #include "launch/launcher.h"
@@ -21,13 +21,6 @@ namespace {
 
 namespace fs = std::filesystem;
 using fsdp::testing::run_command;
-
-std::string launcher_file_bytes(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
-}
 
 class RealLaunchers : public ::testing::Test {
  protected:
@@ -60,9 +53,9 @@ class RealLaunchers : public ::testing::Test {
     ASSERT_EQ(result.exit_code, 0) << result.output;
     result = run_command("timeout 120 " + launcher + " " + train_llama(root_ / "real"));
     ASSERT_EQ(result.exit_code, 0) << result.output;
-    const auto expected = launcher_file_bytes(root_ / "fsdp_launch" / "final" / "model.safetensors");
+    const auto expected = fsdp::testing::file_bytes(root_ / "fsdp_launch" / "final" / "model.safetensors");
     ASSERT_FALSE(expected.empty());
-    EXPECT_EQ(launcher_file_bytes(root_ / "real" / "final" / "model.safetensors"), expected) << result.output;
+    EXPECT_EQ(fsdp::testing::file_bytes(root_ / "real" / "final" / "model.safetensors"), expected) << result.output;
   }
 
   fs::path root_;
