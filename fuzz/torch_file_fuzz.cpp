@@ -1,5 +1,5 @@
 // Any bytes as a torch.save file, through load_torch_bytes (load_torch_file reads the whole file and
-// calls it): a value in which every tensor lies inside its storage and every storage's bytes can be
+// calls it) and through state_dict_with_sharded_tensors_from_bytes (FSDP1's LOCAL_STATE_DICT files): a value in which every tensor lies inside its storage and every storage's bytes can be
 // read, or a c10::Error; anything else (a crash, a sanitizer report, an exception of another type, a
 // hang, runaway memory) is a bug.
 //
@@ -123,6 +123,25 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     try {
       for (const auto& [name, tensor] : fsdp::tensor_dict_items(value, "fuzz input")) check_tensor(tensor);
     } catch (const c10::Error&) {
+    }
+  } catch (const c10::Error&) {
+  }
+  // The same bytes as a state dict of tensors and ShardedTensors (Accelerate's FSDP1 LOCAL_STATE_DICT
+  // files), the restricted path with the ShardedTensor classes allowed: every tensor and every shard
+  // inside its storage and its shard inside the whole, or a c10::Error.
+  try {
+    const auto state = fsdp::detail::state_dict_with_sharded_tensors_from_bytes(bytes, "fuzz input");
+    for (const auto& [name, tensor] : state.tensors) check_tensor(tensor);
+    for (const auto& [name, sharded] : state.sharded) {
+      for (const auto& shard : sharded.local_shards) {
+        check_tensor(shard.tensor);
+        if (shard.offsets.size() != sharded.size.size() || shard.sizes.size() != sharded.size.size()) std::abort();
+        for (size_t dim = 0; dim < sharded.size.size(); ++dim) {
+          if (shard.offsets[dim] < 0 || shard.sizes[dim] < 0 || shard.offsets[dim] + shard.sizes[dim] > sharded.size[dim]) {
+            std::abort();
+          }
+        }
+      }
     }
   } catch (const c10::Error&) {
   }

@@ -42,6 +42,33 @@ void save_torch_file_streaming(const std::string& path, const c10::IValue& value
 void write_torch_archive(const c10::IValue& value, const std::function<void(const void* data, size_t size)>& sink,
                          const std::string& source);
 
+namespace detail {
+// For the checkpoint layer (Accelerate's FSDP1 LOCAL_STATE_DICT files), not a user API.
+
+/// One local shard of a torch.distributed ShardedTensor: its tensor and where it lies in the whole.
+struct ShardedTensorShard {
+  at::Tensor tensor;
+  std::vector<int64_t> offsets;
+  std::vector<int64_t> sizes;
+};
+struct ShardedTensorEntry {
+  std::vector<int64_t> size;  ///< the whole tensor's
+  std::vector<ShardedTensorShard> local_shards;
+};
+/// A torch.save'd state dict whose values are tensors or ShardedTensors (what FSDP1's
+/// LOCAL_STATE_DICT model.state_dict() is), read through the restricted unpickler (Note [torch
+/// files through the restricted unpickler]): the plain tensors and the ShardedTensors, each in file
+/// order. Anything else in the dict is an error naming the file and the entry.
+struct StateDictWithShardedTensors {
+  std::vector<std::pair<std::string, at::Tensor>> tensors;
+  std::vector<std::pair<std::string, ShardedTensorEntry>> sharded;
+};
+StateDictWithShardedTensors load_state_dict_with_sharded_tensors(const std::string& path);
+/// The same for the file's bytes in memory; `source` names them in errors.
+StateDictWithShardedTensors state_dict_with_sharded_tensors_from_bytes(const std::vector<char>& bytes,
+                                                                       const std::string& source);
+}  // namespace detail
+
 /// A dict {name: tensor} in the given order.
 c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors);
 /// The entries of a {name: tensor} dict; `source` names the file in errors.

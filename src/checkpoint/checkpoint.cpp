@@ -18,6 +18,7 @@
 #include <fsdp/torch_file.h>
 #include <fsdp/version.h>
 
+#include "checkpoint/fsdp1_local_files.h"
 #include "checkpoint/state_dict_views.h"
 #include "checkpoint/accelerate_states.h"
 #include "dist/agreement.h"
@@ -238,6 +239,17 @@ bool is_accelerate_full_checkpoint(const std::string& directory) {
          fs::is_regular_file(path_in(directory, kFullOptimizer), error) && random_states_from_accelerate(directory);
 }
 
+// What Accelerate's save_state writes under LOCAL_STATE_DICT (FSDP1 only): each rank's
+// pytorch_model_fsdp_rank<r>.bin (ShardedTensor flat parameters: Note [FSDP1 flat parameters]) and
+// the optimizer as the same DCP optimizer_0/ as SHARDED_STATE_DICT. Our own LOCAL saves use the same
+// file names, but with their marker.
+bool is_accelerate_local_checkpoint(const std::string& directory) {
+  std::error_code error;
+  return !fs::exists(path_in(directory, kMarker), error) &&
+         fs::is_regular_file(path_in(directory, local_model_file(0)), error) &&
+         detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) && random_states_from_accelerate(directory);
+}
+
 int64_t count_random_states(const std::string& directory) {
   int64_t count = 0;
   std::error_code error;
@@ -308,7 +320,7 @@ TrainingProgress load_accelerate_progress(const std::string& directory, const Di
 
 bool is_complete_checkpoint(const std::string& directory) {
   return fs::exists(path_in(directory, kMarker)) || is_accelerate_checkpoint(directory) ||
-         is_accelerate_full_checkpoint(directory);
+         is_accelerate_full_checkpoint(directory) || is_accelerate_local_checkpoint(directory);
 }
 
 namespace {
@@ -476,15 +488,34 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       type = StateDictType::kFullStateDict;
       saved_world_size = count_random_states(directory);
       read_full_files(kFullModelBin);
+    } else if (is_accelerate_local_checkpoint(directory)) {
+      // Every rank rebuilds the whole parameters from every rank's file, and loads its own rows.
+      written_by_accelerate = true;
+      saved_world_size = count_random_states(directory);
+      std::vector<std::string> files;
+      for (int64_t rank = 0; rank < saved_world_size; ++rank) {
+        files.push_back(path_in(directory, local_model_file(rank)));
+        TORCH_CHECK(fs::is_regular_file(files.back()), "checkpoint directory '", directory, "' holds ",
+                    saved_world_size, " ranks' random states (Accelerate's LOCAL_STATE_DICT) but lacks ",
+                    local_model_file(rank), ": the save did not finish on every rank. Load an earlier checkpoint");
+      }
+      const auto parameter_names = model.named_parameters();
+      std::vector<detail::ParameterShape> parameters;
+      for (const auto& [name, tensor] : detail::sharded_model_state_dict_views(model)) {
+        if (parameter_names.contains(name)) parameters.push_back({name, tensor.global_shape});
+      }
+      model_reader = std::make_unique<TensorListSource>(
+          detail::full_state_dict_from_fsdp1_local_files(files, parameters),
+          "Accelerate's LOCAL_STATE_DICT files " + local_model_file(0) + ".. in '" + directory + "'");
+      optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
     } else {
       TORCH_CHECK(fs::exists(marker_path) || !random_states_from_accelerate(directory), "checkpoint directory '",
                   directory, "' was written by Accelerate (its ", random_states_file(0),
-                  " holds NumPy's generator), but not as a complete SHARDED_STATE_DICT or FULL_STATE_DICT checkpoint: "
-                  "fsdp.cpp resumes Accelerate's checkpoints whose ", kShardedModel, "/ and ", kShardedOptimizer,
-                  "/ are DCP directories with their .metadata, or which hold ", kFullModelBin, " and ", kFullOptimizer,
-                  ". LOCAL_STATE_DICT (FSDP1's per-rank ", local_model_file(0),
-                  ", whose flat parameters are pickled ShardedTensor objects) is not read. Save with "
-                  "SHARDED_STATE_DICT or FULL_STATE_DICT, or load only the weights");
+                  " holds NumPy's generator), but not as a complete SHARDED_STATE_DICT, FULL_STATE_DICT or "
+                  "LOCAL_STATE_DICT checkpoint: fsdp.cpp resumes Accelerate's checkpoints whose ", kShardedModel,
+                  "/ and ", kShardedOptimizer, "/ are DCP directories with their .metadata, which hold ",
+                  kFullModelBin, " and ", kFullOptimizer, ", or each rank's ", local_model_file(0), " and ",
+                  kShardedOptimizer, "/. Load an earlier checkpoint, or only the weights");
       TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
                   " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
                   "Load an earlier checkpoint");

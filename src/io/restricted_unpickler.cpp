@@ -199,6 +199,18 @@ class Machine {
                       callee->describe(), ", which is not a class or function reference");
           TORCH_CHECK(arguments->kind == Kind::kTuple, where(at), "the arguments of ", callee->text, " are a ",
                       arguments->describe(), ", not a tuple");
+          if (opcode == 'R' && (callee->text == "__builtin__.getattr" || callee->text == "builtins.getattr")) {
+            // getattr(cls, "Name"): how a pickle names a nested class (ShardedTensor.ProcessGroupState).
+            // It becomes the global "module.cls.Name", allowed or refused by that name like any other.
+            TORCH_CHECK(arguments->items.size() == 2 && arguments->items[0]->kind == Kind::kGlobal &&
+                            arguments->items[1]->kind == Kind::kString,
+                        where(at), "getattr of something other than a class and a name");
+            const auto& owner = arguments->items[0]->text;
+            const auto dot = owner.rfind('.');
+            push(global(at, owner.substr(0, dot == std::string::npos ? 0 : dot),
+                        owner.substr(dot == std::string::npos ? 0 : dot + 1) + "." + arguments->items[1]->text));
+            break;
+          }
           if (callee->text == "collections.OrderedDict" && arguments->items.empty()) {
             // A dict subclass whose order is the insertion order a kDict keeps anyway: SETITEMS fill
             // it, and the BUILD that may follow (model.state_dict()'s _metadata) is recorded only.

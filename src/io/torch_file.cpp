@@ -285,8 +285,9 @@ void check_tensors_inside_storages(const c10::IValue& root) {
 // built; anything else is an error naming it.
 class RestrictedArchive {
  public:
-  RestrictedArchive(caffe2::serialize::PyTorchStreamReader& reader, const std::string& source)
-      : reader_(reader), source_(source) {}
+  RestrictedArchive(caffe2::serialize::PyTorchStreamReader& reader, const std::string& source,
+                    bool sharded_tensors = false)
+      : reader_(reader), source_(source), sharded_tensors_(sharded_tensors) {}
 
   c10::IValue convert(const detail::PickleValue& value, int depth = 0) {
     using Kind = detail::PickleValue::Kind;
@@ -339,7 +340,11 @@ class RestrictedArchive {
         break;
       }
       case Kind::kObject:
-        result = tensor(value, depth);
+        if (sharded_tensors_ && value.callee->text == "torch._tensor._rebuild_from_type_v2") {
+          result = sharded_tensor(value, depth);
+        } else {
+          result = tensor(value, depth);
+        }
         break;
       default:
         TORCH_CHECK(false, where(), "holds a bare ", value.describe(), ", which is not data");
@@ -361,8 +366,114 @@ class RestrictedArchive {
     return names;
   }
 
+  // What a torch.save of a torch.distributed ShardedTensor adds (FSDP1's LOCAL_STATE_DICT): the
+  // subclass rebuild, the dataclasses of its shards and metadata, and the names inside them. They
+  // become objects of the restricted unpickler, never called; `__builtin__.getattr` is how the
+  // pickle names the nested class ShardedTensor.ProcessGroupState, which the unpickler turns into
+  // that class's name (allowed here) without calling getattr.
+  static const std::set<std::string>& sharded_tensor_globals() {
+    static const std::set<std::string> names = [] {
+      auto allowed = allowed_globals();
+      for (const char* name :
+           {"torch._tensor._rebuild_from_type_v2", "torch._utils._rebuild_wrapper_subclass",
+            "torch.distributed._shard.sharded_tensor.api.ShardedTensor",
+            "torch.distributed._shard.sharded_tensor.shard.Shard", "torch.distributed._shard.metadata.ShardMetadata",
+            "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata",
+            "torch.distributed._shard.sharded_tensor.metadata.TensorProperties",
+            "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING",
+            "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec",
+            "torch.distributed.remote_device._remote_device", "torch.Size", "torch.device",
+            "torch.serialization._get_layout", "__builtin__.getattr",
+            "torch.distributed._shard.sharded_tensor.api.ShardedTensor.ProcessGroupState"}) {
+        allowed.insert(name);
+      }
+      return allowed;
+    }();
+    return names;
+  }
+
  private:
   static constexpr int kMaxDepth = 100;
+
+  // A dataclass's pickled state: its field dict, or (None, field dict) for one with __slots__.
+  const detail::PickleValue& fields_of(const detail::PickleValue& object, const char* what) const {
+    using Kind = detail::PickleValue::Kind;
+    const auto* state = object.state;
+    if (state != nullptr && state->kind == Kind::kTuple && state->items.size() == 2 && state->items[1]->kind == Kind::kDict) {
+      state = state->items[1];
+    }
+    TORCH_CHECK(state != nullptr && state->kind == Kind::kDict, where(), "has a ", what, " (", object.describe(),
+                ") without its fields");
+    return *state;
+  }
+
+  std::vector<int64_t> integer_list(const detail::PickleValue* list, const std::string& what) const {
+    using Kind = detail::PickleValue::Kind;
+    TORCH_CHECK(list != nullptr && (list->kind == Kind::kList || list->kind == Kind::kTuple) && list->items.size() <= 64,
+                where(), "has a ShardedTensor whose ", what, " is not a list of at most 64 integers");
+    std::vector<int64_t> values;
+    for (const auto* item : list->items) {
+      TORCH_CHECK(item->kind == Kind::kInt && item->integer >= 0, where(), "has a ShardedTensor whose ", what,
+                  " holds a ", item->describe(), " that is not a non-negative integer");
+      values.push_back(item->integer);
+    }
+    return values;
+  }
+
+  // _rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, args, state), state being
+  // (local_shards, ShardedTensorMetadata, ProcessGroupState, sharding spec, init_rrefs): read as
+  // {"sharded_tensor_size": [...], "local_shards": [{"tensor", "offsets", "sizes"}, ...]}, each
+  // shard's tensor checked against its sizes and its place inside the global size.
+  c10::IValue sharded_tensor(const detail::PickleValue& call, int depth) {
+    using Kind = detail::PickleValue::Kind;
+    const auto& arguments = call.arguments->items;
+    TORCH_CHECK(arguments.size() == 4 && arguments[1]->kind == Kind::kGlobal &&
+                    arguments[1]->text == "torch.distributed._shard.sharded_tensor.api.ShardedTensor" &&
+                    arguments[3]->kind == Kind::kTuple && arguments[3]->items.size() >= 2 &&
+                    arguments[3]->items[0]->kind == Kind::kList && arguments[3]->items[1]->kind == Kind::kObject,
+                where(), "has a tensor subclass that is not a ShardedTensor with its local shards and metadata");
+    const auto& state = arguments[3]->items;
+    const auto& metadata = fields_of(*state[1], "ShardedTensorMetadata");
+    const auto* size = metadata.find("size");
+    TORCH_CHECK(size != nullptr && size->kind == Kind::kObject && size->callee->text == "torch.Size" &&
+                    size->arguments->items.size() == 1,
+                where(), "has a ShardedTensor without its torch.Size");
+    const auto global = integer_list(size->arguments->items[0], "size");
+    c10::impl::GenericList shards(c10::AnyType::get());
+    for (const auto* shard : state[0]->items) {
+      TORCH_CHECK(shard->kind == Kind::kObject && shard->callee->text == "torch.distributed._shard.sharded_tensor.shard.Shard",
+                  where(), "has a ShardedTensor whose local shard is a ", shard->describe());
+      const auto& fields = fields_of(*shard, "Shard");
+      const auto* data = fields.find("tensor");
+      const auto* shard_metadata = fields.find("metadata");
+      TORCH_CHECK(data != nullptr && data->kind == Kind::kObject && shard_metadata != nullptr &&
+                      shard_metadata->kind == Kind::kObject,
+                  where(), "has a ShardedTensor's Shard without its tensor and metadata");
+      const auto& placement = fields_of(*shard_metadata, "ShardMetadata");
+      const auto offsets = integer_list(placement.find("shard_offsets"), "shard_offsets");
+      const auto sizes = integer_list(placement.find("shard_sizes"), "shard_sizes");
+      TORCH_CHECK(offsets.size() == global.size() && sizes.size() == global.size(), where(),
+                  "has a ShardedTensor of ", global.size(), " dimensions with a shard of ", offsets.size(),
+                  " offsets and ", sizes.size(), " sizes");
+      for (size_t dim = 0; dim < global.size(); ++dim) {
+        TORCH_CHECK(offsets[dim] <= global[dim] && sizes[dim] <= global[dim] - offsets[dim], where(),
+                    "has a ShardedTensor of size ", global, " with a shard at ", offsets, " of size ", sizes,
+                    " that lies outside it");
+      }
+      auto local = convert(*data, depth + 1);
+      TORCH_CHECK(local.isTensor() && local.toTensor().sizes() == at::IntArrayRef(sizes), where(),
+                  "has a ShardedTensor's shard whose tensor is not of its sizes ", sizes);
+      c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
+      entry.insert("tensor", local);
+      entry.insert("offsets", c10::IValue(offsets));
+      entry.insert("sizes", c10::IValue(sizes));
+      shards.push_back(entry);
+    }
+    c10::impl::GenericDict result(c10::StringType::get(), c10::AnyType::get());
+    result.insert("sharded_tensor_size", c10::IValue(global));
+    result.insert("local_shards", shards);
+    return result;
+  }
 
   static const std::map<std::string, c10::ScalarType>& typed_storages() {
     static const std::map<std::string, c10::ScalarType> storages = {
@@ -489,16 +600,19 @@ class RestrictedArchive {
   std::map<std::string, c10::Storage> storages_;
   std::map<const detail::PickleValue*, c10::IValue> converted_;
   std::set<const detail::PickleValue*> in_progress_;
+  bool sharded_tensors_ = false;
 };
 
-c10::IValue load_torch_bytes_restricted(const std::vector<char>& bytes, const std::string& path) {
+c10::IValue load_torch_bytes_restricted(const std::vector<char>& bytes, const std::string& path,
+                                        bool sharded_tensors = false) {
   caffe2::serialize::PyTorchStreamReader reader(
       std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
   check_declared_sizes(reader, bytes.size());
   auto [pickle, pickle_size] = reader.getRecord("data.pkl");
-  const auto document = detail::restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size,
-                                                    RestrictedArchive::allowed_globals(), path);
-  RestrictedArchive archive(reader, path);
+  const auto document = detail::restricted_unpickle(
+      static_cast<const uint8_t*>(pickle.get()), pickle_size,
+      sharded_tensors ? RestrictedArchive::sharded_tensor_globals() : RestrictedArchive::allowed_globals(), path);
+  RestrictedArchive archive(reader, path, sharded_tensors);
   auto value = archive.convert(*document.root);
   check_tensors_inside_storages(value);
   return value;
@@ -545,6 +659,71 @@ c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& 
     TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes): ", error.what(),
                 ". Expected a torch.save zip of dicts, lists and tensors");
   }
+}
+
+detail::StateDictWithShardedTensors detail::load_state_dict_with_sharded_tensors(const std::string& path) {
+  std::error_code error;
+  TORCH_CHECK(std::filesystem::is_regular_file(path, error), "torch file '", path, "' is not a regular file");
+  std::ifstream file(path, std::ios::binary);
+  TORCH_CHECK(file, "cannot open torch file '", path, "'");
+  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
+  return state_dict_with_sharded_tensors_from_bytes(bytes, path);
+}
+
+detail::StateDictWithShardedTensors detail::state_dict_with_sharded_tensors_from_bytes(const std::vector<char>& bytes,
+                                                                                     const std::string& path) {
+  c10::IValue value;
+  try {
+    value = load_torch_bytes_restricted(bytes, path, /*sharded_tensors=*/true);
+  } catch (const c10::Error& failure) {
+    TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes) as a state dict of tensors and ",
+                "ShardedTensors: ", failure.what_without_backtrace());
+  } catch (const std::exception& failure) {
+    TORCH_CHECK(false, "cannot read torch file '", path, "' (", bytes.size(), " bytes) as a state dict of tensors and ",
+                "ShardedTensors: ", failure.what());
+  }
+  TORCH_CHECK(value.isGenericDict(), "torch file '", path, "' holds a ", value.tagKind(), ", expected a state dict");
+  StateDictWithShardedTensors result;
+  for (const auto& entry : value.toGenericDict()) {
+    TORCH_CHECK(entry.key().isString(), "torch file '", path, "' has a key of type ", entry.key().tagKind(),
+                "; expected names (strings)");
+    const auto& name = entry.key().toStringRef();
+    if (entry.value().isTensor()) {
+      result.tensors.emplace_back(name, entry.value().toTensor());
+      continue;
+    }
+    // Only sharded_tensor() builds a dict with these two keys; a dict the file spells that way is
+    // read the same, and every field is checked below.
+    TORCH_CHECK(entry.value().isGenericDict() && entry.value().toGenericDict().contains("sharded_tensor_size") &&
+                    entry.value().toGenericDict().contains("local_shards"),
+                "torch file '", path, "': entry '", name, "' is a ", entry.value().tagKind(),
+                ", expected a tensor or a ShardedTensor");
+    const auto dict = entry.value().toGenericDict();
+    ShardedTensorEntry sharded;
+    TORCH_CHECK(dict.at("sharded_tensor_size").isIntList() && dict.at("local_shards").isList(), "torch file '", path,
+                "': entry '", name, "' is not a ShardedTensor");
+    sharded.size = dict.at("sharded_tensor_size").toIntVector();
+    for (const auto& item : dict.at("local_shards").toListRef()) {
+      TORCH_CHECK(item.isGenericDict(), "torch file '", path, "': entry '", name, "' has a malformed shard");
+      const auto shard = item.toGenericDict();
+      TORCH_CHECK(shard.contains("tensor") && shard.at("tensor").isTensor() && shard.contains("offsets") &&
+                      shard.at("offsets").isIntList() && shard.contains("sizes") && shard.at("sizes").isIntList(),
+                  "torch file '", path, "': entry '", name, "' has a malformed shard");
+      ShardedTensorShard piece{shard.at("tensor").toTensor(), shard.at("offsets").toIntVector(),
+                               shard.at("sizes").toIntVector()};
+      bool inside = piece.offsets.size() == sharded.size.size() && piece.sizes.size() == sharded.size.size() &&
+                    piece.tensor.sizes() == at::IntArrayRef(piece.sizes);
+      for (size_t dim = 0; inside && dim < sharded.size.size(); ++dim) {
+        inside = piece.offsets[dim] >= 0 && piece.sizes[dim] >= 0 && piece.offsets[dim] <= sharded.size[dim] &&
+                 piece.sizes[dim] <= sharded.size[dim] - piece.offsets[dim];
+      }
+      TORCH_CHECK(inside, "torch file '", path, "': entry '", name, "' has a shard at ", piece.offsets, " of sizes ",
+                  piece.sizes, " (a tensor of ", piece.tensor.sizes(), ") that is not inside its size ", sharded.size);
+      sharded.local_shards.push_back(std::move(piece));
+    }
+    result.sharded.emplace_back(name, std::move(sharded));
+  }
+  return result;
 }
 
 c10::IValue tensor_dict(const std::vector<std::pair<std::string, at::Tensor>>& tensors) {

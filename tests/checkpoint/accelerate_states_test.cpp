@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <tuple>
@@ -50,6 +51,13 @@ TEST_P(ResumeFromAccelerate, ContinuesWithTheLossesPyTorchGetsFromIt) {
     // The layout under test, as Accelerate wrote it.
     EXPECT_EQ(fs::exists(checkpoint / "pytorch_model_fsdp.bin"), state_dict_type == "FULL_STATE_DICT");
     EXPECT_EQ(fs::exists(checkpoint / "pytorch_model_fsdp_0" / ".metadata"), state_dict_type == "SHARDED_STATE_DICT");
+    EXPECT_EQ(fs::exists(checkpoint / "pytorch_model_fsdp_rank1.bin"), state_dict_type == "LOCAL_STATE_DICT");
+    if (state_dict_type == "LOCAL_STATE_DICT") {
+      nlohmann::json recorded;
+      std::ifstream(root + "/losses.json") >> recorded;
+      std::printf("Accelerate's own load_fsdp_model of this LOCAL_STATE_DICT checkpoint: %s\n",
+                  recorded.value("accelerate_load", std::string("(not recorded)")).c_str());
+    }
   }
   testing::run_on_ranks(world_size, [root](const DistributedContext& context) {
     nlohmann::json expected;
@@ -92,14 +100,15 @@ TEST_P(ResumeFromAccelerate, ContinuesWithTheLossesPyTorchGetsFromIt) {
 
 INSTANTIATE_TEST_SUITE_P(Ranks, ResumeFromAccelerate,
                          ::testing::Combine(::testing::Values(2, 3),
-                                            ::testing::Values("SHARDED_STATE_DICT", "FULL_STATE_DICT")),
+                                            ::testing::Values("SHARDED_STATE_DICT", "FULL_STATE_DICT",
+                                                              "LOCAL_STATE_DICT")),
                          [](const ::testing::TestParamInfo<std::tuple<int, std::string>>& info) {
                            const auto& type = std::get<1>(info.param);
                            return type.substr(0, type.find('_')) + "_" + std::to_string(std::get<0>(info.param)) + "ranks";
                          });
 
-// A checkpoint directory Accelerate left incomplete (or wrote as LOCAL_STATE_DICT, which fsdp.cpp
-// does not resume) is named for what it is, never "did not finish on every rank" of an fsdp.cpp save.
+// A checkpoint directory Accelerate left incomplete is named for what it is, never "did not finish
+// on every rank" of an fsdp.cpp save.
 TEST(ResumeFromAccelerateRefuses, IncompleteCheckpointsAreNamed) {
   const auto root = testing::shared_temporary_directory();
   if (!testing::is_rank_process()) {
@@ -117,10 +126,45 @@ TEST(ResumeFromAccelerateRefuses, IncompleteCheckpointsAreNamed) {
     const auto message = testing::error_message_of(
         [&] { load_checkpoint(root + "/checkpoints/checkpoint_0", *model, optimizer, context); });
     EXPECT_NE(message.find("was written by Accelerate (its random_states_0.pkl holds NumPy's generator), but not as a "
-                           "complete SHARDED_STATE_DICT or FULL_STATE_DICT checkpoint"),
+                           "complete SHARDED_STATE_DICT, FULL_STATE_DICT or LOCAL_STATE_DICT checkpoint"),
               std::string::npos)
         << message;
     EXPECT_EQ(message.find("did not finish on every rank"), std::string::npos) << message;
+  });
+}
+
+// Accelerate's LOCAL_STATE_DICT checkpoint without one rank's model file, or loaded into a model
+// whose layers differ: named errors (Note [FSDP1 flat parameters]).
+TEST(ResumeFromAccelerateRefuses, ALocalCheckpointWithoutARanksFileOrOfAnotherModelIsNamed) {
+  const auto root = testing::shared_temporary_directory();
+  const auto checkpoint = root + "/checkpoints/checkpoint_0";
+  const auto partial = root + "/partial";
+  if (!testing::is_rank_process()) {
+    testing::PythonOptions options;
+    options.world_size = 2;
+    ASSERT_TRUE(testing::run_python("accelerate_checkpoint.py", {root, "LOCAL_STATE_DICT"}, options).ok);
+    fs::copy(checkpoint, partial, fs::copy_options::recursive);
+    fs::remove(partial + "/pytorch_model_fsdp_rank1.bin");
+  }
+  testing::run_on_ranks(2, [&](const DistributedContext& context) {
+    FourLinears model;
+    fully_shard(model.ptr(), context);
+    torch::optim::AdamW optimizer(model->parameters());
+    auto message = testing::error_message_of([&] { load_checkpoint(partial, *model, optimizer, context); });
+    EXPECT_NE(message.find("holds 2 ranks' random states (Accelerate's LOCAL_STATE_DICT) but lacks "
+                           "pytorch_model_fsdp_rank1.bin"),
+              std::string::npos)
+        << message;
+    // The second layer 5 -> 8 instead of 5 -> 7: its unit's flat parameter does not fit.
+    auto other = torch::nn::Sequential(torch::nn::Linear(3, 5), torch::nn::Linear(5, 8), torch::nn::Linear(8, 3),
+                                       torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)));
+    fully_shard(other.ptr(), context);
+    torch::optim::AdamW other_optimizer(other->parameters());
+    message = testing::error_message_of([&] { load_checkpoint(checkpoint, *other, other_optimizer, context); });
+    EXPECT_NE(message.find("the flat parameter of unit '1' holds 44 elements, but the 2 parameters of the model it "
+                           "covers (the first '1.weight') make 48 without alignment"),
+              std::string::npos)
+        << message;
   });
 }
 

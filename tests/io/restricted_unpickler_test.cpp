@@ -92,6 +92,22 @@ TEST(RestrictedUnpickler, AllowedCallsBecomeObjectsWithoutRunningAnything) {
   EXPECT_TRUE(object->state->find("f")->boolean);
 }
 
+TEST(RestrictedUnpickler, AGetattrOfAClassIsTheNestedClassesNameAllowedOrRefusedByIt) {
+  // getattr(m.C, "Inner") then NEWOBJ of it: how torch.save names ShardedTensor.ProcessGroupState.
+  const char text[] = "\x80\x02" "c__builtin__\ngetattr\n" "cm\nC\n" "X\x05\x00\x00\x00Inner" "\x86R)\x81.";
+  const std::vector<uint8_t> bytes(text, text + sizeof(text) - 1);  // the literal holds NUL bytes
+  const auto document = restricted_unpickle(bytes.data(), bytes.size(), {"__builtin__.getattr", "m.C", "m.C.Inner"}, "test.pkl");
+  ASSERT_EQ(document.root->kind, Kind::kObject);
+  EXPECT_EQ(document.root->callee->text, "m.C.Inner");  // named, never looked up
+  // Without the nested name in the allow-list, refused by that name (getattr itself being allowed).
+  auto message = error_of(bytes, {"__builtin__.getattr", "m.C"});
+  EXPECT_NE(message.find("references 'm.C.Inner'"), std::string::npos) << message;
+  // getattr of anything but a class and a name is not a lookup this reader makes.
+  const std::string odd = "\x80\x02" "c__builtin__\ngetattr\n" "K\x01K\x02\x86R.";
+  message = error_of(std::vector<uint8_t>(odd.begin(), odd.end()), {"__builtin__.getattr"});
+  EXPECT_NE(message.find("getattr of something other than a class and a name"), std::string::npos) << message;
+}
+
 TEST(RestrictedUnpickler, MalformedPicklesAreNamedErrors) {
   // Truncated: the dict pickle above cut in the middle of a string.
   auto bytes = from_hex("80049533000000000000007d948c0161945d94284b014740040000000000008c0178");
