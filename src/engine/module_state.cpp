@@ -309,7 +309,7 @@ void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs) {
       if (output->defined() && at::isFloatingType(output->scalar_type())) *output = output->to(*output_dtype);
     }
   }
-  group.post_forward(grad_enabled);
+  group.post_forward();
   auto root_state = root_state_of(group);
   if (!grad_enabled) {
     // No backward can follow: once the root's forward is over, nothing needs gathered parameters.

@@ -360,7 +360,7 @@ void ParamGroup::pre_forward(bool grad_enabled, const std::vector<std::shared_pt
   }
 }
 
-void ParamGroup::post_forward(bool grad_enabled) {
+void ParamGroup::post_forward() {
   // Without grad mode the units keep their usual policy (a tied output head may still need the
   // embedding's unit); the root frees every unit of the tree once the whole forward is done.
   if (!reshard_after_forward()) return;

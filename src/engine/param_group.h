@@ -181,7 +181,7 @@ class ParamGroup : public std::enable_shared_from_this<ParamGroup> {
   // the unit, never the reverse: a unit knows nothing of its tree.
   /// Issues this unit's all-gather, then the prefetches `targets`, then waits for its own.
   void pre_forward(bool grad_enabled, const std::vector<std::shared_ptr<ParamGroup>>& prefetch_targets);
-  void post_forward(bool grad_enabled);
+  void post_forward();
   /// Whether this backward has not prefetched yet: the unit's outputs each carry a hook, and only
   /// the first of them prefetches.
   bool backward_prefetch_pending() const { return training_state_ != TrainingState::kPreBackward; }

@@ -126,11 +126,6 @@ StreamScope::~StreamScope() {
   if (previous_) c10::impl::VirtualGuardImpl(previous_->device_type()).exchangeStream(*previous_);
 }
 
-void synchronize_device(c10::Device device) {
-  if (!has_streams(device)) return;
-  c10::impl::VirtualGuardImpl(device.type()).synchronizeDevice(device.index());
-}
-
 at::Tensor empty_host(at::IntArrayRef sizes, c10::ScalarType dtype, bool pin_memory) {
   auto options = at::TensorOptions().dtype(dtype).device(c10::kCPU);
   if (pin_memory && cuda_device_count() > 0) options = options.pinned_memory(true);

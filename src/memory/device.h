@@ -4,7 +4,7 @@
 //
 // Note [streams of a unit] (FSDP2's, torch/distributed/fsdp/_fully_shard/_fsdp_state.py and
 // _fsdp_param_group.py): on a GPU the engine keeps
-// three kinds of work off the compute stream, each on a stream of its own per device:
+// two kinds of work off the compute stream, each on a stream of its own per device:
 //   - kAllGather: the all-gather copy-in and the issue of the all-gather, after waiting for the
 //     compute stream's work so far (the optimizer step that wrote the shards). NCCL then runs the
 //     collective on its own stream, which waits for this one, not for the compute stream: the next
@@ -12,7 +12,10 @@
 //     only when the unit needs its parameters (CollectiveWork::wait makes the current stream wait).
 //   - kReduceScatter: the reduce-scatter copy-in and issue, after waiting for the compute stream
 //     (which produced the gradients): the reduction overlaps the next unit's backward.
-//   - kOffload: copies between pinned host memory and the GPU for cpu_offload.
+// cpu_offload's copies between host memory and the GPU stay on the compute stream: the parameter
+// shards are copied in by the all-gather's copy-in on kAllGather, and the gradients go back to the
+// host at the end of the iteration, synchronously, because the optimizer step on the host reads
+// them next (ParamGroup::end_iteration).
 // A buffer written or read on a side stream is either allocated there or recorded on it
 // (record_stream), so the caching allocator hands its memory out again only after the work of
 // every stream that uses it: Note [a block returns after its last use].
@@ -26,7 +29,7 @@
 
 namespace fsdp::detail {
 
-enum class SideStream { kAllGather, kReduceScatter, kOffload };
+enum class SideStream { kAllGather, kReduceScatter };
 
 /// Whether `device` has streams (a GPU): on CPU every function below is a no-op.
 bool has_streams(c10::Device device);
@@ -54,9 +57,6 @@ class StreamScope {
  private:
   std::optional<c10::Stream> previous_;
 };
-
-/// Waits on the host until every stream of `device` is done (nothing on CPU).
-void synchronize_device(c10::Device device);
 
 /// An empty host tensor in page-locked memory when a GPU is present (copies to and from it can be
 /// asynchronous), ordinary memory otherwise.

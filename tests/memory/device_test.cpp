@@ -83,7 +83,6 @@ TEST(Device, StreamHelpersDoNothingOnTheCpu) {
   // No-ops, not errors: the engine calls them only where has_streams, but they must be safe anyway.
   const detail::StreamScope nothing(std::nullopt);
   detail::record_stream(at::ones({2}), c10::Stream(c10::Stream::DEFAULT, cpu));
-  detail::synchronize_device(cpu);
   auto host = detail::empty_host({3}, at::kFloat, /*pin_memory=*/true);
   EXPECT_TRUE(host.device().is_cpu());
   EXPECT_EQ(host.numel(), 3);
