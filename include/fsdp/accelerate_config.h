@@ -63,7 +63,4 @@ struct Fsdp2Conversion {
 };
 Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std::string& path);
 
-/// The closest of `candidates` to `word` when it is close enough to be a typo, else empty.
-std::string did_you_mean(const std::string& word, const std::vector<std::string>& candidates);
-
 }  // namespace fsdp

@@ -192,4 +192,15 @@ class Accelerator {
   bool rotate_after_finish_ = false;
 };
 
+/// Accelerate's fsdp2_prepare_model(accelerator, model): fsdp2_prepare.h's with the accelerator's
+/// plugin, process groups and mixed precision.
+std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
+                                                       const std::shared_ptr<torch::nn::Module>& model);
+/// Accelerate's fsdp2_load_full_state_dict(accelerator, model, full_sd): fsdp2_prepare.h's with the
+/// accelerator's process groups.
+std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
+                                                              const std::shared_ptr<torch::nn::Module>& model,
+                                                              const TensorList& full_state_dict,
+                                                              bool cpu_offload = false);
+
 }  // namespace fsdp

@@ -65,7 +65,9 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
 /// this rank's generator state and returns the progress. SHARDED checkpoints load on any world size.
 /// A directory Accelerate's save_state wrote under FSDP2 with SHARDED_STATE_DICT (DCP model and
 /// optimizer, random_states_<r>.pkl, no marker) or FULL_STATE_DICT (rank 0's pytorch_model_fsdp.bin
-/// and optimizer.bin, the same random states) loads too: step is the optimizer's step count, this
+/// and optimizer.bin, the same random states), or under FSDP1 with LOCAL_STATE_DICT (each rank's
+/// pytorch_model_fsdp_rank<r>.bin of flat parameters and the DCP optimizer_0/; on any number of
+/// ranks: Note [FSDP1 flat parameters]) loads too: step is the optimizer's step count, this
 /// rank's CPU generator is restored, and the rest is listed in `not_restored` and one warning.
 /// FULL: with `options.state_dict_config.rank0_only` (and `optim_state_dict_config.rank0_only` for
 /// optimizer.bin) only rank 0 reads the file and every other rank receives its rows, one tensor at a
@@ -75,8 +77,9 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
                                  const CheckpointOptions& options = {});
 
 /// Whether `directory` holds a finished checkpoint: its completion marker exists, or Accelerate wrote it
-/// and rank 0's random states (written last) are there beside both DCP directories (SHARDED) or
-/// pytorch_model_fsdp.bin and optimizer.bin (FULL).
+/// and rank 0's random states (written last) are there beside both DCP directories (SHARDED),
+/// pytorch_model_fsdp.bin and optimizer.bin (FULL), or rank 0's pytorch_model_fsdp_rank0.bin and
+/// the DCP optimizer_0/ (LOCAL).
 bool is_complete_checkpoint(const std::string& directory);
 
 }  // namespace fsdp

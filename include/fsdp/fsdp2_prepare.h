@@ -7,16 +7,16 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 #include <unordered_map>
 
 #include <fsdp/auto_wrap.h>
 #include <fsdp/fully_shard.h>
 #include <fsdp/plugin.h>
+#include <fsdp/process_group.h>
 #include <fsdp/state_dict.h>
 
 namespace fsdp {
-
-class Accelerator;
 
 /// The fully_shard options the plugin describes (strategy, reshard_after_forward, mixed precision,
 /// offload). The root's reshard_after_forward is left unset by fsdp2_prepare_model (FSDP2's None).
@@ -38,15 +38,21 @@ std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullySharde
 /// other rank drops its own before sharding and receives its rows from rank 0, one tensor at a time.
 /// With fsdp_version=1 the units are FSDP1's instead: what the policy wraps, then the root, and
 /// only the root casts its floating inputs to param_dtype (FSDP1's cast_root_forward_inputs).
-std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
+/// It reads the accelerator's plugin, its process groups and its mixed_precision ("no", "bf16",
+/// "fp16"), which are the arguments here; accelerator.h has Accelerate's form,
+/// fsdp2_prepare_model(accelerator, model).
+std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataParallelPlugin& plugin,
+                                                       const DistributedContext& context,
+                                                       const std::string& mixed_precision,
                                                        const std::shared_ptr<torch::nn::Module>& model);
 
 /// Accelerate's fsdp2_load_full_state_dict: `model` is sharded and holds no parameter data yet
 /// (see release_parameter_storage); `full_state_dict` matters on rank 0 only. Rank 0 broadcasts
 /// the tensors one at a time in state-dict order; each rank keeps its rows, cast to the parameter's
 /// dtype, where the engine keeps them (host memory under cpu_offload, else the model's device; the
-/// argument is Accelerate's and changes nothing here). Collective.
-std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
+/// argument is Accelerate's and changes nothing here). Collective. accelerator.h has Accelerate's
+/// form, fsdp2_load_full_state_dict(accelerator, model, full_state_dict).
+std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(const DistributedContext& context,
                                                               const std::shared_ptr<torch::nn::Module>& model,
                                                               const TensorList& full_state_dict,
                                                               bool cpu_offload = false);

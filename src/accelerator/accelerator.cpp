@@ -420,4 +420,15 @@ std::optional<TrainingProgress> Accelerator::resume_after_restart() {
   return progress;
 }
 
+std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
+                                                       const std::shared_ptr<torch::nn::Module>& model) {
+  return fsdp2_prepare_model(accelerator.fsdp_plugin(), accelerator.context(), accelerator.mixed_precision(), model);
+}
+
+std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
+                                                              const std::shared_ptr<torch::nn::Module>& model,
+                                                              const TensorList& full_state_dict, bool cpu_offload) {
+  return fsdp2_load_full_state_dict(accelerator.context(), model, full_state_dict, cpu_offload);
+}
+
 }  // namespace fsdp

@@ -7,7 +7,6 @@
 #include <unordered_map>
 #include <unordered_set>
 
-#include <fsdp/accelerator.h>
 #include <fsdp/activation_checkpointing.h>
 #include <fsdp/auto_wrap.h>
 #include <fsdp/meta_device.h>
@@ -151,13 +150,13 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
   return options;
 }
 
-std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
+std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataParallelPlugin& plugin,
+                                                       const DistributedContext& context,
+                                                       const std::string& mixed_precision,
                                                        const std::shared_ptr<torch::nn::Module>& model) {
   TORCH_CHECK(model, "fsdp2_prepare_model: the model is null");
   if (is_fsdp_module(*model)) return model;
-  const auto& plugin = accelerator.fsdp_plugin();
   if (plugin.activation_checkpointing) fsdp2_apply_activation_checkpointing(plugin, model);
-  const auto& context = accelerator.context();
   auto options = fully_shard_options_from_plugin(plugin);
   options.ignored_parameters = ignored_parameters(plugin.ignored_modules, model);
   auto* pretrained = dynamic_cast<PretrainedModel*>(model.get());
@@ -175,7 +174,7 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(Accelerator& accelerator,
 
   // FSDP2 needs one dtype for the trainable parameters of a unit, and the sharded parameters are the
   // master weights: keep them in fp32 (fsdp2_prepare_model's upcast; Q10 in docs/plugin.md, kept on purpose).
-  if (accelerator.mixed_precision() != "no") {
+  if (mixed_precision != "no") {
     at::NoGradGuard no_grad;
     for (auto& parameter : model->parameters()) {
       if (parameter.requires_grad() && parameter.scalar_type() != at::kFloat) parameter.set_data(parameter.to(at::kFloat));
@@ -271,13 +270,13 @@ void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
   }
 }
 
-std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(Accelerator& accelerator,
+std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(const DistributedContext& context,
                                                               const std::shared_ptr<torch::nn::Module>& model,
                                                               const TensorList& full_state_dict, bool cpu_offload) {
   TORCH_CHECK(model, "fsdp2_load_full_state_dict: the model is null");
   std::unique_ptr<TensorListSource> source;
-  if (accelerator.context().rank() == 0) source = std::make_unique<TensorListSource>(full_state_dict, "the full state dict");
-  load_model_state_dict_from_rank0(*model, accelerator.context(), source.get());
+  if (context.rank() == 0) source = std::make_unique<TensorListSource>(full_state_dict, "the full state dict");
+  load_model_state_dict_from_rank0(*model, context, source.get());
   return model;
 }
 

@@ -3,8 +3,8 @@
 // step by step, with the deliberate fixes listed in include/fsdp/plugin.h.
 #include <fsdp/plugin.h>
 
-#include <fsdp/accelerate_config.h>
 
+#include "config/did_you_mean.h"
 #include "config/text.h"
 
 #include <c10/util/Exception.h>
@@ -716,7 +716,7 @@ class Resolver {
       if (name.rfind("FSDP_TEST_", 0) == 0) continue;  // the test suite's own (FSDP_TEST_HARNESS_RANK, ...)
       std::vector<std::string> candidates(read.begin(), read.end());
       candidates.insert(candidates.end(), tools.begin(), tools.end());
-      const auto suggestion = did_you_mean(name, candidates);
+      const auto suggestion = detail::did_you_mean(name, candidates);
       warn("environment variable " + name + "='" + value + "' is not a setting fsdp.cpp reads" +
            (suggestion.empty() ? std::string(".") : "; did you mean " + suggestion + "?") + " It is ignored.");
     }

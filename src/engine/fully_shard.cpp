@@ -19,11 +19,6 @@
 namespace fsdp {
 namespace {
 
-void check_floating(const std::optional<c10::ScalarType>& dtype, const char* field) {
-  TORCH_CHECK(!dtype || at::isFloatingType(*dtype), "FullyShardOptions.mixed_precision.", field,
-              " must be a floating dtype (float32, bfloat16, float16, float64), got ", *dtype);
-}
-
 /// The modules a new unit manages: `module` and its descendants, without descending into modules
 /// that are already units (FSDP2's _get_managed_modules), with names relative to `module`.
 void collect_managed_modules(const std::shared_ptr<torch::nn::Module>& module, const std::string& prefix,
@@ -89,20 +84,6 @@ void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Modul
 }
 
 }  // namespace
-
-void validate(const FullyShardOptions& options) {
-  check_floating(options.mixed_precision.param_dtype, "param_dtype");
-  check_floating(options.mixed_precision.reduce_dtype, "reduce_dtype");
-  check_floating(options.mixed_precision.output_dtype, "output_dtype");
-  check_floating(options.mixed_precision.buffer_dtype, "buffer_dtype");
-  for (size_t index = 0; index < options.ignored_parameters.size(); ++index) {
-    TORCH_CHECK(options.ignored_parameters[index].defined(), "FullyShardOptions.ignored_parameters[", index,
-                "] is an undefined tensor; pass the module's parameter tensors");
-  }
-  TORCH_CHECK(!options.max_all_gathers_in_flight || *options.max_all_gathers_in_flight >= 1,
-              "FullyShardOptions.max_all_gathers_in_flight must be at least 1 (a unit's own all-gather), got ",
-              *options.max_all_gathers_in_flight, "; leave it unset for no limit");
-}
 
 FSDPModule::FSDPModule(std::shared_ptr<detail::ParamGroup> group) : group_(std::move(group)) {
   TORCH_INTERNAL_ASSERT(group_, "FSDPModule without a unit");

@@ -8,6 +8,8 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include <fsdp/activation_checkpointing.h>
+
 #include "engine/registry.h"
 
 namespace fsdp::detail {

@@ -43,7 +43,7 @@
 #include <vector>
 
 #include <fsdp/collectives.h>
-#include <fsdp/fully_shard.h>
+#include <fsdp/fully_shard_options.h>
 #include <fsdp/shard_layout.h>
 
 #include "engine/fsdp_param.h"

@@ -2,7 +2,7 @@
 // rounds]): who is in it, which ranks each machine runs, and whether it failed somewhere.
 #pragma once
 
-#include "launch/launcher.h"
+#include "launch/launch_options.h"
 
 #include "dist/agent_store.h"
 
