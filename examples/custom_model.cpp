@@ -55,7 +55,8 @@ std::pair<Model, std::unique_ptr<torch::optim::AdamW>> build(const fsdp::Distrib
   return {model, std::move(optimizer)};
 }
 
-// One step on this rank's rows of a global batch of 32 (the same on every rank for step s).
+// One step on this rank's rows of a global batch of 32 (the same on every rank for step s); returns
+// the loss of this rank's rows.
 double train_step(Model& model, torch::optim::Optimizer& optimizer, const fsdp::DistributedContext& context, int64_t step) {
   torch::manual_seed(1000 + step);
   const auto inputs = torch::randn({32, 16});
@@ -76,21 +77,27 @@ int main(int argc, char** argv) {
   const std::string directory = std::string(argv[1]) + "/checkpoint_3";
   // Rank, world size and the rendezvous from the launcher's variables (fsdp launch, torchrun, mpirun).
   const auto context = fsdp::DistributedContext::initialize_from_environment();
+  TORCH_CHECK(32 % context.world_size() == 0, "the global batch of 32 rows must split evenly over the ",
+              context.world_size(), " ranks; run on 1, 2, 4, 8, 16 or 32");
   auto [model, optimizer] = build(context);
   std::vector<double> losses;
   for (int64_t step = 1; step <= 6; ++step) {
     losses.push_back(train_step(model, *optimizer, context, step));
-    if (context.is_main_process()) std::printf("step %lld loss %.6f\n", static_cast<long long>(step), losses.back());
-    // Collective: every rank writes its shards (a PyTorch DCP directory), rank 0 the marker last.
-    fsdp::TrainingProgress progress;
-    progress.step = step;
-    if (step == 3) fsdp::save_checkpoint(directory, *model, *optimizer, context, progress);
+    if (context.is_main_process()) {
+      std::printf("step %lld, loss of rank 0's rows %.6f\n", static_cast<long long>(step), losses.back());
+    }
+    if (step == 3) {
+      // Collective: every rank writes its shards (a PyTorch DCP directory), rank 0 the marker last.
+      fsdp::TrainingProgress progress;
+      progress.step = step;
+      fsdp::save_checkpoint(directory, *model, *optimizer, context, progress);
+    }
   }
 
   // Resume: a fresh model (its own initial weights), then the checkpoint's weights, AdamW state and step.
   auto [resumed, resumed_optimizer] = build(context);
   const auto progress = fsdp::load_checkpoint(directory, *resumed, *resumed_optimizer, context);
-  bool same = true;
+  bool same = progress.step == 3;
   for (int64_t step = progress.step + 1; step <= 6; ++step) {
     same = same && train_step(resumed, *resumed_optimizer, context, step) == losses[static_cast<size_t>(step - 1)];
   }

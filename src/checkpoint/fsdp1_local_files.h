@@ -13,7 +13,12 @@
 // precision) with padding, and pads the end to a multiple of the world size; without, there is no
 // padding inside. The files do not say which: the layout is the one whose total equals the
 // ShardedTensor's size, tried for no alignment and for alignments of 2, 4, 8 and 16 elements; two
-// different layouts with that total are an error. PyTorch loads these files only into the same
+// different layouts with that total are an error. Under use_orig_params each rank's file also holds
+// every parameter's piece of its chunk under the parameter's name, and the cut must agree with each:
+// a model that registers its parameters in another order than the saved one is an error, not wrong
+// weights. A flat parameter larger than its unit's parameters can make with any padding is refused
+// before it is allocated. Not read: FSDP1's ignored modules and a parameter tied across two units
+// (their sizes disagree with the flat parameter's: a named error). PyTorch loads these files only into the same
 // wrapping on the same number of ranks; here every rank reads every rank's file and rebuilds the
 // whole parameters, so they load into any sharding and any number of ranks (at the memory of one
 // full copy of the model per rank while loading).

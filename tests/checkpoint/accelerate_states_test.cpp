@@ -133,8 +133,18 @@ TEST(ResumeFromAccelerateRefuses, IncompleteCheckpointsAreNamed) {
   });
 }
 
+// A Linear that registers its bias before its weight: the same sizes in another order.
+struct BiasFirstLinearImpl : torch::nn::Module {
+  BiasFirstLinearImpl(int64_t in, int64_t out)
+      : bias(register_parameter("bias", torch::zeros({out}))), weight(register_parameter("weight", torch::zeros({out, in}))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight, bias); }
+  torch::Tensor bias, weight;
+};
+TORCH_MODULE(BiasFirstLinear);
+
 // Accelerate's LOCAL_STATE_DICT checkpoint without one rank's model file, or loaded into a model
-// whose layers differ: named errors (Note [FSDP1 flat parameters]).
+// whose layers differ, or whose parameters come in another order with the same total (the flat
+// parameter's size alone cannot tell): named errors (Note [FSDP1 flat parameters]).
 TEST(ResumeFromAccelerateRefuses, ALocalCheckpointWithoutARanksFileOrOfAnotherModelIsNamed) {
   const auto root = testing::shared_temporary_directory();
   const auto checkpoint = root + "/checkpoints/checkpoint_0";
@@ -165,6 +175,15 @@ TEST(ResumeFromAccelerateRefuses, ALocalCheckpointWithoutARanksFileOrOfAnotherMo
                            "covers (the first '1.weight') make 48 without alignment"),
               std::string::npos)
         << message;
+    // Layer 1 as bias (7) then weight (35): aligned to 4 elements that is 7 + 1 + 35 + 1 = 44 elements,
+    // the saved total, cut in the wrong places.
+    auto reordered = torch::nn::Sequential(torch::nn::Linear(3, 5), BiasFirstLinear(5, 7), torch::nn::Linear(7, 3),
+                                           torch::nn::Linear(torch::nn::LinearOptions(3, 2).bias(false)));
+    fully_shard(reordered.ptr(), context);
+    torch::optim::AdamW reordered_optimizer(reordered->parameters());
+    message = testing::error_message_of([&] { load_checkpoint(checkpoint, *reordered, reordered_optimizer, context); });
+    EXPECT_NE(message.find("differs from its own piece in the file"), std::string::npos) << message;
+    EXPECT_NE(message.find("registers its parameters in another order"), std::string::npos) << message;
   });
 }
 

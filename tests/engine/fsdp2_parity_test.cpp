@@ -379,7 +379,9 @@ Result read_result(const std::string& path) {
 }
 
 double relative_difference(double x, double y) {
-  if (x == y) return 0;  // also both infinite: a step the gradient scaler skipped on both sides
+  // Equal, or both not a number: also a step the gradient scaler skipped on both sides (an
+  // infinite norm, or a NaN one where inf - inf met); the skipped-step count checks those.
+  if (x == y || (std::isnan(x) && std::isnan(y))) return 0;
   // One side infinite or NaN and the other not: as far apart as can be (|x - inf| / inf is NaN).
   if (!std::isfinite(x) || !std::isfinite(y)) return std::numeric_limits<double>::infinity();
   return std::abs(x - y) / std::abs(y);
@@ -387,6 +389,7 @@ double relative_difference(double x, double y) {
 
 // std::max drops a NaN in its second argument; a NaN difference must count as the worst.
 void keep_worst(double& worst, double difference) {
+  if (std::isnan(worst)) return;  // once NaN, stays NaN
   if (!(difference <= worst)) worst = difference;
 }
 
