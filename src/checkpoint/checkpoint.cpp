@@ -198,11 +198,6 @@ bool random_states_from_accelerate(const std::string& directory) {
   }
 }
 
-bool is_accelerate_checkpoint(const std::string& directory) {
-  std::error_code error;
-  return !fs::exists(path_in(directory, kMarker), error) && detail::is_dcp_directory(path_in(directory, kShardedModel)) &&
-         detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) && random_states_from_accelerate(directory);
-}
 
 // optimizer.bin: fsdp.cpp's names its optimizer class; PyTorch's (Accelerate's FULL_STATE_DICT) does
 // not, and its parameter groups tell (the same reading as its DCP optimizer directories).
@@ -229,25 +224,32 @@ OptimizerStateDict read_full_optimizer(const std::string& path, torch::optim::Op
   return state;
 }
 
-// What Accelerate's save_state writes under FULL_STATE_DICT: rank 0's torch.save of the full model
-// state dict (an OrderedDict, read through the restricted unpickler: Note [torch files through the
-// restricted unpickler]) and of the full optimizer state dict keyed by parameter names.
-bool is_accelerate_full_checkpoint(const std::string& directory) {
-  std::error_code error;
-  return !fs::exists(path_in(directory, kMarker), error) &&
-         fs::is_regular_file(path_in(directory, kFullModelBin), error) &&
-         fs::is_regular_file(path_in(directory, kFullOptimizer), error) && random_states_from_accelerate(directory);
-}
+// Which complete checkpoint of Accelerate's save_state `directory` holds, found by one probe (rank
+// 0's random states, a pickle, are read once and only when the files of a layout are there):
+//   - kSharded (SHARDED_STATE_DICT): both DCP directories with their .metadata.
+//   - kFull (FULL_STATE_DICT): rank 0's torch.save of the full model state dict (an OrderedDict,
+//     read through the restricted unpickler: Note [torch files through the restricted unpickler])
+//     and of the full optimizer state dict keyed by parameter names.
+//   - kLocal (LOCAL_STATE_DICT, FSDP1 only): each rank's pytorch_model_fsdp_rank<r>.bin (ShardedTensor
+//     flat parameters: Note [FSDP1 flat parameters]) and the DCP optimizer_0/ of SHARDED_STATE_DICT.
+//     Our own LOCAL saves use the same file names, but with their marker.
+enum class AccelerateLayout { kNone, kSharded, kFull, kLocal };
 
-// What Accelerate's save_state writes under LOCAL_STATE_DICT (FSDP1 only): each rank's
-// pytorch_model_fsdp_rank<r>.bin (ShardedTensor flat parameters: Note [FSDP1 flat parameters]) and
-// the optimizer as the same DCP optimizer_0/ as SHARDED_STATE_DICT. Our own LOCAL saves use the same
-// file names, but with their marker.
-bool is_accelerate_local_checkpoint(const std::string& directory) {
+AccelerateLayout accelerate_layout(const std::string& directory) {
   std::error_code error;
-  return !fs::exists(path_in(directory, kMarker), error) &&
-         fs::is_regular_file(path_in(directory, local_model_file(0)), error) &&
-         detail::is_dcp_directory(path_in(directory, kShardedOptimizer)) && random_states_from_accelerate(directory);
+  if (fs::exists(path_in(directory, kMarker), error)) return AccelerateLayout::kNone;
+  const bool optimizer_directory = detail::is_dcp_directory(path_in(directory, kShardedOptimizer));
+  auto layout = AccelerateLayout::kNone;
+  if (optimizer_directory && detail::is_dcp_directory(path_in(directory, kShardedModel))) {
+    layout = AccelerateLayout::kSharded;
+  } else if (fs::is_regular_file(path_in(directory, kFullModelBin), error) &&
+             fs::is_regular_file(path_in(directory, kFullOptimizer), error)) {
+    layout = AccelerateLayout::kFull;
+  } else if (optimizer_directory && fs::is_regular_file(path_in(directory, local_model_file(0)), error)) {
+    layout = AccelerateLayout::kLocal;
+  }
+  return layout != AccelerateLayout::kNone && random_states_from_accelerate(directory) ? layout
+                                                                                       : AccelerateLayout::kNone;
 }
 
 int64_t count_random_states(const std::string& directory) {
@@ -319,8 +321,7 @@ TrainingProgress load_accelerate_progress(const std::string& directory, const Di
 }  // namespace
 
 bool is_complete_checkpoint(const std::string& directory) {
-  return fs::exists(path_in(directory, kMarker)) || is_accelerate_checkpoint(directory) ||
-         is_accelerate_full_checkpoint(directory) || is_accelerate_local_checkpoint(directory);
+  return fs::exists(path_in(directory, kMarker)) || accelerate_layout(directory) != AccelerateLayout::kNone;
 }
 
 namespace {
@@ -478,17 +479,18 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         full_optimizer = read_full_optimizer(path_in(directory, kFullOptimizer), optimizer);
       }
     };
-    if (is_accelerate_checkpoint(directory)) {
+    const auto layout = accelerate_layout(directory);
+    if (layout == AccelerateLayout::kSharded) {
       written_by_accelerate = true;
       saved_world_size = count_random_states(directory);
       model_reader = open_sharded_directory(path_in(directory, kShardedModel));
       optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
-    } else if (is_accelerate_full_checkpoint(directory)) {
+    } else if (layout == AccelerateLayout::kFull) {
       written_by_accelerate = true;
       type = StateDictType::kFullStateDict;
       saved_world_size = count_random_states(directory);
       read_full_files(kFullModelBin);
-    } else if (is_accelerate_local_checkpoint(directory)) {
+    } else if (layout == AccelerateLayout::kLocal) {
       // Every rank rebuilds the whole parameters from every rank's file, and loads its own rows.
       written_by_accelerate = true;
       saved_world_size = count_random_states(directory);

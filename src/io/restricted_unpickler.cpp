@@ -205,10 +205,7 @@ class Machine {
             TORCH_CHECK(arguments->items.size() == 2 && arguments->items[0]->kind == Kind::kGlobal &&
                             arguments->items[1]->kind == Kind::kString,
                         where(at), "getattr of something other than a class and a name");
-            const auto& owner = arguments->items[0]->text;
-            const auto dot = owner.rfind('.');
-            push(global(at, owner.substr(0, dot == std::string::npos ? 0 : dot),
-                        owner.substr(dot == std::string::npos ? 0 : dot + 1) + "." + arguments->items[1]->text));
+            push(global(at, arguments->items[0]->text, arguments->items[1]->text));
             break;
           }
           if (callee->text == "collections.OrderedDict" && arguments->items.empty()) {

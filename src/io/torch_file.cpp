@@ -235,6 +235,25 @@ std::shared_ptr<torch::jit::DeserializationStorageContext> record_storages(
 
 // Offsets, sizes and strides come from the pickle unchecked too: every tensor must lie inside its
 // storage. Each aggregate once (memo references share them), with an explicit stack.
+// Whether a view of `sizes` and `strides` at `offset`, of elements of `element_size` bytes, lies
+// inside a storage of `storage_bytes` bytes (an empty view always does), without overflow.
+bool view_fits(int64_t offset, at::IntArrayRef sizes, at::IntArrayRef strides, int64_t element_size,
+               int64_t storage_bytes) {
+  for (const auto size : sizes) {
+    if (size == 0) return true;
+  }
+  int64_t last = offset;
+  bool fits = last >= 0;
+  for (size_t dim = 0; fits && dim < sizes.size(); ++dim) {
+    int64_t reach = 0;
+    fits = strides[dim] >= 0 && !__builtin_mul_overflow(sizes[dim] - 1, strides[dim], &reach) &&
+           !__builtin_add_overflow(last, reach, &last);
+  }
+  int64_t bytes = 0;
+  return fits && !__builtin_add_overflow(last, int64_t{1}, &last) &&
+         !__builtin_mul_overflow(last, element_size, &bytes) && bytes <= storage_bytes;
+}
+
 void check_tensors_inside_storages(const c10::IValue& root) {
   std::unordered_set<const void*> seen;
   std::vector<c10::IValue> pending{root};
@@ -255,17 +274,8 @@ void check_tensors_inside_storages(const c10::IValue& root) {
     if (!value.isTensor()) continue;
     const auto& tensor = value.toTensor();
     if (!tensor.defined() || tensor.layout() != at::kStrided || !tensor.has_storage() || tensor.numel() == 0) continue;
-    int64_t last = tensor.storage_offset();
-    bool fits = last >= 0;
-    for (int64_t dim = 0; fits && dim < tensor.dim(); ++dim) {
-      int64_t reach = 0;
-      fits = tensor.stride(dim) >= 0 && !__builtin_mul_overflow(tensor.size(dim) - 1, tensor.stride(dim), &reach) &&
-             !__builtin_add_overflow(last, reach, &last);
-    }
-    int64_t bytes = 0;
-    fits = fits && !__builtin_add_overflow(last, int64_t{1}, &last) &&
-           !__builtin_mul_overflow(last, static_cast<int64_t>(tensor.element_size()), &bytes) &&
-           bytes <= static_cast<int64_t>(tensor.storage().nbytes());
+    const bool fits = view_fits(tensor.storage_offset(), tensor.sizes(), tensor.strides(),
+                                static_cast<int64_t>(tensor.element_size()), static_cast<int64_t>(tensor.storage().nbytes()));
     TORCH_CHECK(fits, "a ", tensor.scalar_type(), " tensor of shape ", tensor.sizes(), ", strides ", tensor.strides(),
                 " and storage offset ", tensor.storage_offset(), " reaches past its ", tensor.storage().nbytes(),
                 "-byte storage");
@@ -407,23 +417,9 @@ class RestrictedArchive {
     return *state;
   }
 
-  std::vector<int64_t> integer_list(const detail::PickleValue* list, const std::string& what) const {
-    using Kind = detail::PickleValue::Kind;
-    TORCH_CHECK(list != nullptr && (list->kind == Kind::kList || list->kind == Kind::kTuple) && list->items.size() <= 64,
-                where(), "has a ShardedTensor whose ", what, " is not a list of at most 64 integers");
-    std::vector<int64_t> values;
-    for (const auto* item : list->items) {
-      TORCH_CHECK(item->kind == Kind::kInt && item->integer >= 0, where(), "has a ShardedTensor whose ", what,
-                  " holds a ", item->describe(), " that is not a non-negative integer");
-      values.push_back(item->integer);
-    }
-    return values;
-  }
-
   // _rebuild_from_type_v2(_rebuild_wrapper_subclass, ShardedTensor, args, state), state being
   // (local_shards, ShardedTensorMetadata, ProcessGroupState, sharding spec, init_rrefs): read as
-  // {"sharded_tensor_size": [...], "local_shards": [{"tensor", "offsets", "sizes"}, ...]}, each
-  // shard's tensor checked against its sizes and its place inside the global size.
+  // {"sharded_tensor_size": [...], "local_shards": [{"tensor", "offsets", "sizes"}, ...]}.
   c10::IValue sharded_tensor(const detail::PickleValue& call, int depth) {
     using Kind = detail::PickleValue::Kind;
     const auto& arguments = call.arguments->items;
@@ -438,7 +434,7 @@ class RestrictedArchive {
     TORCH_CHECK(size != nullptr && size->kind == Kind::kObject && size->callee->text == "torch.Size" &&
                     size->arguments->items.size() == 1,
                 where(), "has a ShardedTensor without its torch.Size");
-    const auto global = integer_list(size->arguments->items[0], "size");
+    const auto global = integers(size->arguments->items[0], "has a ShardedTensor whose size", /*list_too=*/true);
     c10::impl::GenericList shards(c10::AnyType::get());
     for (const auto* shard : state[0]->items) {
       TORCH_CHECK(shard->kind == Kind::kObject && shard->callee->text == "torch.distributed._shard.sharded_tensor.shard.Shard",
@@ -450,19 +446,11 @@ class RestrictedArchive {
                       shard_metadata->kind == Kind::kObject,
                   where(), "has a ShardedTensor's Shard without its tensor and metadata");
       const auto& placement = fields_of(*shard_metadata, "ShardMetadata");
-      const auto offsets = integer_list(placement.find("shard_offsets"), "shard_offsets");
-      const auto sizes = integer_list(placement.find("shard_sizes"), "shard_sizes");
-      TORCH_CHECK(offsets.size() == global.size() && sizes.size() == global.size(), where(),
-                  "has a ShardedTensor of ", global.size(), " dimensions with a shard of ", offsets.size(),
-                  " offsets and ", sizes.size(), " sizes");
-      for (size_t dim = 0; dim < global.size(); ++dim) {
-        TORCH_CHECK(offsets[dim] <= global[dim] && sizes[dim] <= global[dim] - offsets[dim], where(),
-                    "has a ShardedTensor of size ", global, " with a shard at ", offsets, " of size ", sizes,
-                    " that lies outside it");
-      }
+      const auto offsets = integers(placement.find("shard_offsets"), "has a ShardedTensor shard whose offsets", true);
+      const auto sizes = integers(placement.find("shard_sizes"), "has a ShardedTensor shard whose sizes", true);
+      // Whether the shard lies inside the whole and its tensor has its sizes is checked once, by
+      // state_dict_with_sharded_tensors_from_bytes, which reads this dict (or one a file spells so).
       auto local = convert(*data, depth + 1);
-      TORCH_CHECK(local.isTensor() && local.toTensor().sizes() == at::IntArrayRef(sizes), where(),
-                  "has a ShardedTensor's shard whose tensor is not of its sizes ", sizes);
       c10::impl::GenericDict entry(c10::StringType::get(), c10::AnyType::get());
       entry.insert("tensor", local);
       entry.insert("offsets", c10::IValue(offsets));
@@ -503,14 +491,21 @@ class RestrictedArchive {
 
   std::string where() const { return "torch file '" + source_ + "' "; }
 
-  std::vector<int64_t> integers(const detail::PickleValue& tuple, const char* what) const {
+  // At most 64 non-negative integers: a tensor's sizes and strides (a tuple), a ShardedTensor's size
+  // and its shards' offsets and sizes (a tuple or, in the dataclasses, a list). `what`, for errors:
+  // "has a tensor whose size".
+  std::vector<int64_t> integers(const detail::PickleValue* sequence, const std::string& what,
+                                bool list_too = false) const {
     using Kind = detail::PickleValue::Kind;
-    TORCH_CHECK(tuple.kind == Kind::kTuple && tuple.items.size() <= 64, where(), "has a tensor whose ", what,
-                " is a ", tuple.describe(), ", expected a tuple of at most 64 integers");
+    TORCH_CHECK(sequence != nullptr &&
+                    (sequence->kind == Kind::kTuple || (list_too && sequence->kind == Kind::kList)) &&
+                    sequence->items.size() <= 64,
+                where(), what, " is ", sequence ? "a " + sequence->describe() : std::string("missing"), ", expected a ",
+                list_too ? "list or tuple" : "tuple", " of at most 64 integers");
     std::vector<int64_t> values;
-    for (const auto* item : tuple.items) {
-      TORCH_CHECK(item->kind == Kind::kInt && item->integer >= 0, where(), "has a tensor whose ", what, " holds a ",
-                  item->describe(), " that is not a non-negative integer");
+    for (const auto* item : sequence->items) {
+      TORCH_CHECK(item->kind == Kind::kInt && item->integer >= 0, where(), what, " holds a ", item->describe(),
+                  " that is not a non-negative integer");
       values.push_back(item->integer);
     }
     return values;
@@ -573,23 +568,16 @@ class RestrictedArchive {
     // A storage shared by several tensors: every reference must give it the same length.
     TORCH_CHECK(static_cast<int64_t>(storage->second.nbytes()) == bytes, where(), "refers to storage '", key,
                 "' as ", bytes, " bytes and elsewhere as ", storage->second.nbytes());
-    const auto sizes = integers(*arguments[2], "size");
-    const auto strides = integers(*arguments[3], "stride");
+    const auto sizes = integers(arguments[2], "has a tensor whose size");
+    const auto strides = integers(arguments[3], "has a tensor whose stride");
     TORCH_CHECK(sizes.size() == strides.size(), where(), "has a tensor with ", sizes.size(), " sizes and ",
                 strides.size(), " strides");
     // The view must lie inside its storage before it is made (set_ would try to grow the storage);
     // check_tensors_inside_storages checks the whole value again afterwards.
     const int64_t offset = arguments[1]->integer;
-    int64_t last = offset, reach = 0, needed = 0;
-    bool empty = false, fits = true;
-    for (size_t dim = 0; dim < sizes.size(); ++dim) {
-      empty = empty || sizes[dim] == 0;
-      fits = fits && !c10::mul_overflows(sizes[dim] == 0 ? 0 : sizes[dim] - 1, strides[dim], &reach) &&
-             !c10::add_overflows(last, reach, &last);
-    }
-    fits = fits && !c10::add_overflows(last, int64_t{1}, &last) &&
-           !c10::mul_overflows(last, static_cast<int64_t>(c10::elementSize(dtype)), &needed);
-    TORCH_CHECK(empty || (fits && needed <= static_cast<int64_t>(storage->second.nbytes())), where(), "has a ",
+    TORCH_CHECK(view_fits(offset, sizes, strides, static_cast<int64_t>(c10::elementSize(dtype)),
+                          static_cast<int64_t>(storage->second.nbytes())),
+                where(), "has a ",
                 dtype, " tensor of sizes ", sizes, ", strides ", strides, " and storage offset ", offset,
                 " that reaches past its ", storage->second.nbytes(), "-byte storage '", key, "'");
     return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage->second, arguments[1]->integer, sizes, strides);
