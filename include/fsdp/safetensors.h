@@ -21,6 +21,10 @@
 #include <vector>
 
 namespace fsdp {
+namespace detail {
+class ReadOnlyFile;  // src/io/read_only_file.h (private)
+}  // namespace detail
+
 
 /// "F32", "BF16", ... for a libtorch dtype. Throws for dtypes safetensors has no name for.
 std::string safetensors_dtype_name(c10::ScalarType dtype);
@@ -81,9 +85,7 @@ class SafetensorsReader {
  private:
   const SafetensorsTensorInfo& info(const std::string& name) const;
   std::string path_;
-  int fd_ = -1;
-  const uint8_t* mapping_ = nullptr;
-  size_t size_ = 0;
+  std::unique_ptr<detail::ReadOnlyFile> file_;
   SafetensorsHeader header_;
 };
 

@@ -1,12 +1,13 @@
 #include "checkpoint/accelerate_states.h"
 
 #include <ATen/ATen.h>
+#include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
 
 #include <cstring>
-#include <filesystem>
 #include <set>
 
+#include "io/read_only_file.h"
 #include "io/restricted_unpickler.h"
 
 namespace fsdp::detail {
@@ -14,7 +15,7 @@ namespace {
 
 using Kind = PickleValue::Kind;
 
-constexpr int64_t kMaxFileBytes = int64_t{64} << 20;
+constexpr uint64_t kMaxFileBytes = uint64_t{64} << 20;
 
 const std::set<std::string>& accelerate_state_globals() {
   static const std::set<std::string> names = {
@@ -36,17 +37,14 @@ std::string describe_entry(const std::string& key) {
 }  // namespace
 
 AccelerateRandomStates read_accelerate_random_states(const std::string& path) {
-  namespace fs = std::filesystem;
-  std::error_code error;
-  TORCH_CHECK(fs::is_regular_file(path, error), "'", path, "' is not a regular file");
-  const auto bytes = fs::file_size(path, error);
-  TORCH_CHECK(!error && static_cast<int64_t>(bytes) <= kMaxFileBytes, "'", path, "' has ", bytes,
-              " bytes; Accelerate's random states are a few kilobytes, so it is refused");
+  // Accelerate's random states are a few kilobytes.
+  const auto bytes = ReadOnlyFile(path, kMaxFileBytes, "random states file").read_all();
   std::unique_ptr<caffe2::serialize::PyTorchStreamReader> archive;
   at::DataPtr pickle;
   size_t pickle_size = 0;
   try {
-    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(path);
+    archive = std::make_unique<caffe2::serialize::PyTorchStreamReader>(
+        std::make_shared<caffe2::serialize::MemoryReadAdapter>(bytes.data(), static_cast<off_t>(bytes.size())));
     std::tie(pickle, pickle_size) = archive->getRecord("data.pkl");
   } catch (const c10::Error& failure) {
     TORCH_CHECK(false, "'", path, "' is not a torch.save archive: ", failure.what_without_backtrace());
@@ -85,7 +83,7 @@ AccelerateRandomStates read_accelerate_random_states(const std::string& path) {
       const auto* size = arguments[2];
       TORCH_CHECK(offset->kind == Kind::kInt && offset->integer == 0 && size->kind == Kind::kTuple && size->items.size() == 1 &&
                       size->items[0]->kind == Kind::kInt && size->items[0]->integer == numel && numel > 0 &&
-                      numel <= kMaxFileBytes,
+                      static_cast<uint64_t>(numel) <= kMaxFileBytes,
                   where, " is not a whole one-dimensional tensor of its storage");
       at::DataPtr data;
       size_t data_size = 0;

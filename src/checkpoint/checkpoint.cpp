@@ -8,7 +8,6 @@
 #include <functional>
 #include <optional>
 #include <cmath>
-#include <fstream>
 #include <sstream>
 
 #include <fsdp/collectives.h>
@@ -29,6 +28,7 @@
 #include "checkpoint/save_identity.h"
 #include "checkpoint/sharded_save.h"
 #include "io/atomic_file.h"
+#include "io/read_only_file.h"
 
 namespace fsdp {
 namespace {
@@ -521,11 +521,9 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
                   " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
                   "Load an earlier checkpoint");
-      std::ifstream file(marker_path);
-      std::stringstream text;
-      text << file.rdbuf();
       try {
-        marker = nlohmann::json::parse(text.str());
+        // The marker is a line of JSON.
+        marker = nlohmann::json::parse(detail::read_text_file(marker_path, uint64_t{1} << 20, "checkpoint marker"));
       } catch (const nlohmann::json::exception& failure) {
         TORCH_CHECK(false, "'", marker_path, "' is not valid JSON (", failure.what(), ")");
       }

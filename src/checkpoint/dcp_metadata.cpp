@@ -4,12 +4,12 @@
 #include <c10/util/safe_numerics.h>
 
 #include <filesystem>
-#include <fstream>
 #include <algorithm>
 #include <set>
 #include <utility>
 #include <vector>
 
+#include "io/read_only_file.h"
 #include "io/restricted_unpickler.h"
 
 namespace fsdp::detail {
@@ -18,7 +18,7 @@ namespace {
 using Kind = PickleValue::Kind;
 namespace fs = std::filesystem;
 
-constexpr int64_t kMaxMetadataBytes = int64_t{1} << 30;
+constexpr uint64_t kMaxMetadataBytes = uint64_t{1} << 30;
 // torch's limit on a tensor's dimensions, and a nesting no state dict comes near.
 constexpr size_t kMaxDims = 64;
 constexpr size_t kMaxPathElements = 256;
@@ -358,17 +358,10 @@ bool is_dcp_directory(const std::string& directory) {
 
 DcpMetadata read_dcp_metadata(const std::string& directory) {
   const auto path = (fs::path(directory) / ".metadata").string();
-  std::error_code error;
-  TORCH_CHECK(fs::is_regular_file(path, error), "'", path, "' is not a regular file: '", directory,
-              "' is not a PyTorch distributed checkpoint (DCP) directory");
-  const auto bytes = fs::file_size(path, error);
-  TORCH_CHECK(!error && static_cast<int64_t>(bytes) <= kMaxMetadataBytes, "'", path, "' has ", bytes,
-              " bytes; a DCP .metadata over 1 GiB is refused");
-  std::ifstream file(path, std::ios::binary);
-  std::vector<uint8_t> data(bytes);
-  file.read(reinterpret_cast<char*>(data.data()), static_cast<std::streamsize>(data.size()));
-  TORCH_CHECK(file.gcount() == static_cast<std::streamsize>(data.size()), "'", path, "' could not be read in full");
-  return parse_dcp_metadata(data.data(), data.size(), path);
+  const auto data = ReadOnlyFile(path, kMaxMetadataBytes, "DCP metadata file",
+                                 "'" + directory + "' is not a PyTorch distributed checkpoint (DCP) directory")
+                        .read_all();
+  return parse_dcp_metadata(reinterpret_cast<const uint8_t*>(data.data()), data.size(), path);
 }
 
 }  // namespace fsdp::detail

@@ -5,15 +5,11 @@
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
 
-#include <fcntl.h>
-#include <unistd.h>
-
-#include <cerrno>
+#include <limits>
 #include <cstring>
 #include <optional>
 #include <set>
 #include <filesystem>
-#include <fstream>
 
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
@@ -22,7 +18,7 @@
 
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/save_identity.h"
-#include "io/positioned_read.h"
+#include "io/read_only_file.h"
 #include "io/restricted_unpickler.h"
 
 namespace fsdp::detail {
@@ -40,17 +36,16 @@ std::string join(const std::vector<std::string>& parts, size_t first) {
 // bytes outside [offset, offset + length).
 class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
  public:
-  ItemAdapter(int descriptor, int64_t offset, int64_t length) : descriptor_(descriptor), offset_(offset), length_(length) {}
+  ItemAdapter(const ReadOnlyFile& file, int64_t offset, int64_t length) : file_(file), offset_(offset), length_(length) {}
   size_t size() const override { return static_cast<size_t>(length_); }
   size_t read(uint64_t position, void* buffer, size_t count, const char* /*what*/) const override {
     if (position >= static_cast<uint64_t>(length_)) return 0;
     count = std::min<uint64_t>(count, static_cast<uint64_t>(length_) - position);
-    const auto done = read_at(descriptor_, buffer, count, offset_ + static_cast<int64_t>(position));
-    return done < 0 ? 0 : static_cast<size_t>(done);
+    return file_.read_at_most(buffer, count, static_cast<uint64_t>(offset_) + position);
   }
 
  private:
-  int descriptor_;
+  const ReadOnlyFile& file_;
   int64_t offset_;
   int64_t length_;
 };
@@ -76,24 +71,19 @@ const char* storage_class(c10::ScalarType dtype) {
 
 }  // namespace
 
-DcpDirectoryReader::~DcpDirectoryReader() {
-  for (const auto& [path, descriptor] : descriptors_) ::close(descriptor);
-}
+DcpDirectoryReader::~DcpDirectoryReader() = default;
 
-int DcpDirectoryReader::descriptor(const std::string& relative_path) const {
-  auto found = descriptors_.find(relative_path);
-  if (found != descriptors_.end()) return found->second;
+const ReadOnlyFile& DcpDirectoryReader::file(const std::string& relative_path) const {
+  auto found = open_files_.find(relative_path);
+  if (found != open_files_.end()) return *found->second;
   // A checkpoint of thousands of ranks must not take thousands of descriptors (Gloo needs some too):
   // at most 64 files stay open; reads go through tensors in order, so evicting all costs little.
-  if (descriptors_.size() >= 64) {
-    for (const auto& [name, open_descriptor] : descriptors_) ::close(open_descriptor);
-    descriptors_.clear();
-  }
-  const auto path = (fs::path(directory_) / relative_path).string();
-  const int opened = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  TORCH_CHECK(opened >= 0, "cannot open '", path, "': ", std::strerror(errno));
-  descriptors_.emplace(relative_path, opened);
-  return opened;
+  // (No caller keeps a file across a call of this function.)
+  if (open_files_.size() >= 64) open_files_.clear();
+  // No size bound: items are read by the lengths .metadata gives, each checked against the size.
+  auto opened = std::make_unique<ReadOnlyFile>((fs::path(directory_) / relative_path).string(),
+                                               std::numeric_limits<uint64_t>::max(), "checkpoint file");
+  return *open_files_.emplace(relative_path, std::move(opened)).first->second;
 }
 
 std::optional<int64_t> DcpDirectoryReader::raw_data_offset(const std::string& key, const DcpTensor& tensor,
@@ -109,8 +99,8 @@ std::optional<int64_t> DcpDirectoryReader::raw_data_offset(const std::string& ke
   const char* expected_class = storage_class(tensor.dtype);
   try {
     if (*expected_class == 0 || storage.length < 0) throw std::runtime_error("no fast path");
-    const int file = descriptor(storage.relative_path);
-    caffe2::serialize::PyTorchStreamReader archive(std::make_shared<ItemAdapter>(file, storage.offset, storage.length));
+    caffe2::serialize::PyTorchStreamReader archive(
+        std::make_shared<ItemAdapter>(file(storage.relative_path), storage.offset, storage.length));
     auto [pickle, pickle_size] = archive.getRecord("data.pkl");
     static const std::set<std::string> allowed = [] {
       std::set<std::string> names = {kPersistentLoad, "torch._utils._rebuild_tensor_v2", "collections.OrderedDict"};
@@ -201,12 +191,12 @@ void DcpDirectoryReader::check_files() {
     TORCH_CHECK(fs::is_regular_file(fs::symlink_status(path, error)), "'", directory_, "' lacks '",
                 storage.relative_path, "', which its .metadata names for '", key,
                 "' (or it is not a regular file): the checkpoint is incomplete, or a rank's file was removed");
-    File file;
-    file.size = static_cast<int64_t>(fs::file_size(path, error));
-    TORCH_CHECK(!error, "'", path.string(), "' cannot be read: ", error.message());
-    file.found = read_identity_footer(descriptor(storage.relative_path), file.size, path.string());
-    if (file.found) file.size -= file.found->footer_bytes;
-    files.emplace(storage.relative_path, std::move(file));
+    const auto& opened = file(storage.relative_path);
+    File checked;
+    checked.size = static_cast<int64_t>(opened.size());
+    checked.found = read_identity_footer(opened);
+    if (checked.found) checked.size -= checked.found->footer_bytes;
+    files.emplace(storage.relative_path, std::move(checked));
   };
   auto check_bounds = [&](const DcpStorage& storage, const std::string& key) {
     if (storage.length < 0) return;
@@ -270,18 +260,13 @@ c10::ScalarType DcpDirectoryReader::scalar_type(const std::string& name) const {
 std::string DcpDirectoryReader::dtype(const std::string& name) const { return safetensors_dtype_name(tensor(name).dtype); }
 
 c10::IValue DcpDirectoryReader::load_item(const DcpStorage& storage, const std::string& key, const std::string& item) const {
-  const auto path = (fs::path(directory_) / storage.relative_path).string();
-  std::error_code error;
-  TORCH_CHECK(fs::is_regular_file(fs::symlink_status(path, error)), "'", directory_, "': '", storage.relative_path,
-              "', which the metadata names for '", key, "', is not a regular file in the directory: the checkpoint is incomplete");
-  const auto file_size = static_cast<int64_t>(fs::file_size(path, error));
-  TORCH_CHECK(!error && storage.offset <= file_size && storage.length <= file_size - storage.offset, item,
+  // check_files() has seen every file the metadata names (a regular file in the directory, long enough).
+  const auto& opened = file(storage.relative_path);
+  const auto file_size = static_cast<int64_t>(opened.size());
+  TORCH_CHECK(storage.offset <= file_size && storage.length <= file_size - storage.offset, item,
               " runs past the end of the file (", file_size, " bytes): the file is truncated or belongs to another save");
-  std::ifstream file(path, std::ios::binary);
-  file.seekg(storage.offset);
   std::vector<char> bytes(static_cast<size_t>(storage.length));
-  file.read(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-  TORCH_CHECK(file.gcount() == static_cast<std::streamsize>(bytes.size()), item, " could not be read");
+  opened.read_exactly(bytes.data(), bytes.size(), static_cast<uint64_t>(storage.offset), item);
   return load_torch_bytes(bytes, item);
 }
 
@@ -366,9 +351,9 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
         const int64_t row_bytes = target.numel() / (last - first) * static_cast<int64_t>(target.element_size());
         const int64_t start = *offset + (first - chunk.offsets[0]) * row_bytes;
         const int64_t count = (last - first) * row_bytes;
-        const auto done = read_at(descriptor(chunk.storage.relative_path), target.data_ptr(), static_cast<size_t>(count), start);
-        TORCH_CHECK(done == count, item_name(chunk.storage), " (chunk of '", key, "') could not be read: ",
-                    done < 0 ? std::strerror(errno) : "the file ended");
+        file(chunk.storage.relative_path)
+            .read_exactly(target.data_ptr(), static_cast<size_t>(count), static_cast<uint64_t>(start),
+                          item_name(chunk.storage) + " (chunk of '" + key + "')");
         continue;
       }
     }

@@ -24,6 +24,8 @@
 
 namespace fsdp::detail {
 
+class ReadOnlyFile;  // io/read_only_file.h
+
 class DcpDirectoryReader : public TensorSource {
  public:
   /// With `unwrap_single_key`, a checkpoint whose state dict has one top-level key ({"model":
@@ -77,7 +79,8 @@ class DcpDirectoryReader : public TensorSource {
   /// Where in its file the chunk's elements start, when the archive is torch.save of a contiguous
   /// tensor of the chunk's dtype and sizes (checked); nullopt otherwise. Call under cache_mutex_.
   std::optional<int64_t> raw_data_offset(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
-  int descriptor(const std::string& relative_path) const;
+  /// The open file `relative_path` of the directory (a few stay open; see its definition).
+  const ReadOnlyFile& file(const std::string& relative_path) const;
 
   std::string directory_;
   DcpMetadata metadata_;
@@ -91,7 +94,7 @@ class DcpDirectoryReader : public TensorSource {
   mutable size_t cached_chunk_ = 0;
   mutable at::Tensor cached_;
   mutable std::map<std::pair<std::string, size_t>, std::optional<int64_t>> raw_offsets_;
-  mutable std::map<std::string, int> descriptors_;
+  mutable std::map<std::string, std::unique_ptr<ReadOnlyFile>> open_files_;
 };
 
 }  // namespace fsdp::detail

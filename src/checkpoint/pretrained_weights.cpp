@@ -3,10 +3,10 @@
 #include <nlohmann/json.hpp>
 
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
 #include "dist/agreement.h"
+#include "io/read_only_file.h"
 
 namespace fsdp {
 namespace {
@@ -39,12 +39,10 @@ SafetensorsCheckpointSource::SafetensorsCheckpointSource(const std::string& path
     for (const auto& info : files_.back()->header().tensors) location_[info.name] = 0;
     return;
   }
-  std::ifstream stream(file);
-  std::stringstream text;
-  text << stream.rdbuf();
   nlohmann::json index;
   try {
-    index = nlohmann::json::parse(text.str());
+    // An index maps each tensor to its file: megabytes for the largest models.
+    index = nlohmann::json::parse(detail::read_text_file(file, uint64_t{1} << 30, "safetensors index"));
   } catch (const nlohmann::json::exception& error) {
     TORCH_CHECK(false, "index '", file, "' is not valid JSON (", error.what(), ")");
   }

@@ -3,12 +3,11 @@
 #include <c10/util/Exception.h>
 #include <nlohmann/json.hpp>
 
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <random>
 
-#include "io/positioned_read.h"
+#include "io/read_only_file.h"
 
 namespace fsdp::detail {
 namespace {
@@ -18,10 +17,6 @@ constexpr int64_t kMagicBytes = 8;
 constexpr int64_t kLengthBytes = 8;
 // An identity is under 200 bytes; anything longer is not one of ours.
 constexpr int64_t kMaxIdentityBytes = 4096;
-
-bool read_exactly(int descriptor, void* buffer, int64_t count, int64_t offset) {
-  return read_at(descriptor, buffer, static_cast<size_t>(count), offset) == count;
-}
 
 }  // namespace
 
@@ -47,11 +42,12 @@ std::string identity_footer(const FileIdentity& identity) {
   return footer;
 }
 
-std::optional<FoundIdentity> read_identity_footer(int descriptor, int64_t size, const std::string& path) {
+std::optional<FoundIdentity> read_identity_footer(const ReadOnlyFile& file) {
+  const auto size = static_cast<int64_t>(file.size());
+  const auto& path = file.path();
   if (size < kMagicBytes + kLengthBytes) return std::nullopt;
   unsigned char tail[kMagicBytes + kLengthBytes];
-  TORCH_CHECK(read_exactly(descriptor, tail, sizeof(tail), size - static_cast<int64_t>(sizeof(tail))), "'", path,
-              "' could not be read: ", std::strerror(errno));
+  file.read_exactly(tail, sizeof(tail), static_cast<uint64_t>(size) - sizeof(tail), "the save identity footer");
   if (std::memcmp(tail + kLengthBytes, kMagic, kMagicBytes) != 0) return std::nullopt;
   uint64_t length = 0;
   for (int byte = 0; byte < kLengthBytes; ++byte) length |= static_cast<uint64_t>(tail[byte]) << (8 * byte);
@@ -60,9 +56,8 @@ std::optional<FoundIdentity> read_identity_footer(int descriptor, int64_t size, 
                   static_cast<int64_t>(length) <= size - kMagicBytes - kLengthBytes,
               damaged, "it gives a length of ", length, " bytes. Restore the file, or load an earlier checkpoint");
   std::string json(length, '\0');
-  TORCH_CHECK(read_exactly(descriptor, json.data(), static_cast<int64_t>(length),
-                           size - kMagicBytes - kLengthBytes - static_cast<int64_t>(length)),
-              "'", path, "' could not be read: ", std::strerror(errno));
+  file.read_exactly(json.data(), length, static_cast<uint64_t>(size - kMagicBytes - kLengthBytes) - length,
+                    "the save identity footer");
   FoundIdentity found;
   found.footer_bytes = kMagicBytes + kLengthBytes + static_cast<int64_t>(length);
   nlohmann::json value = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);

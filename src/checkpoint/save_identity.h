@@ -34,13 +34,13 @@ struct FileIdentity {
 /// The footer recording `identity`, to append to a rank file after its last item.
 std::string identity_footer(const FileIdentity& identity);
 
-/// The identity in the footer of the open file `descriptor` of `size` bytes, and the footer's
-/// length; nullopt when the file has no footer. A footer that is there but damaged is an error
-/// naming `path`.
+/// The identity in the footer of `file`, and the footer's length; nullopt when the file has no
+/// footer. A footer that is there but damaged is an error naming the file.
 struct FoundIdentity {
   FileIdentity identity;
   int64_t footer_bytes = 0;
 };
-std::optional<FoundIdentity> read_identity_footer(int descriptor, int64_t size, const std::string& path);
+class ReadOnlyFile;
+std::optional<FoundIdentity> read_identity_footer(const ReadOnlyFile& file);
 
 }  // namespace fsdp::detail

@@ -6,7 +6,6 @@
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <set>
 #include <sstream>
 
@@ -15,6 +14,7 @@
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
+#include "io/read_only_file.h"
 
 namespace fsdp {
 
@@ -131,10 +131,9 @@ ShardedDirectoryReader::ShardedDirectoryReader(const std::string& directory) : d
 void ShardedDirectoryReader::open() {
   const std::string& directory = directory_;
   const auto metadata_path = std::filesystem::path(directory) / kShardedMetadataFile;
-  std::error_code error;
-  TORCH_CHECK(!std::filesystem::exists(metadata_path, error) || std::filesystem::is_regular_file(metadata_path, error), "'",
-              metadata_path.string(), "' is not a regular file; the directory is not a sharded checkpoint");
-  std::ifstream file(metadata_path);
+  // It lists every tensor's pieces: a few megabytes for the largest models.
+  const auto file = detail::ReadOnlyFile::open_if_exists(metadata_path.string(), uint64_t{1} << 30, "sharded checkpoint metadata",
+                                                 "the directory is not a sharded checkpoint");
   if (!file && std::filesystem::exists(std::filesystem::path(directory) / ".metadata")) {
     TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), not the rank-file ",
                 "format this reader takes (docs/checkpoint-format.md). load_checkpoint, Accelerator::load_state and "
@@ -142,11 +141,9 @@ void ShardedDirectoryReader::open() {
   }
   TORCH_CHECK(file, "sharded checkpoint directory '", directory, "' has no ", kShardedMetadataFile,
               ": it is not a checkpoint directory, or its save did not finish");
-  std::stringstream text;
-  text << file.rdbuf();
   nlohmann::json metadata;
   try {
-    metadata = nlohmann::json::parse(text.str());
+    metadata = nlohmann::json::parse(file->read_text());
   } catch (const nlohmann::json::exception& error) {
     TORCH_CHECK(false, "'", metadata_path.string(), "' is not valid JSON (", error.what(), ")");
   }

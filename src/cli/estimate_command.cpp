@@ -3,6 +3,7 @@
 // estimate-memory` answers for one process; this one divides by the ranks as the engine does.
 #include "cli/commands.h"
 #include "cli/human_bytes.h"
+#include "io/read_only_file.h"
 
 #include <fsdp/memory_estimate.h>
 #include <fsdp/merge.h>
@@ -15,7 +16,6 @@
 
 #include <cstdio>
 #include <filesystem>
-#include <fstream>
 #include <iostream>
 #include <sstream>
 
@@ -29,14 +29,13 @@ namespace fs = std::filesystem;
 models::LlamaConfig read_llama_config(const std::string& path, std::vector<std::string>& notes) {
   fs::path file = path;
   if (fs::is_directory(file)) file /= "config.json";
-  std::ifstream stream(file, std::ios::binary);
-  TORCH_CHECK(stream, "estimate-memory: cannot read the model config '", file.string(),
-              "'; give --config a config.json (or the directory of a Hugging Face model), or --preset NAME");
-  std::stringstream text;
-  text << stream.rdbuf();
+  const std::string fix = "give --config a config.json (or the directory of a Hugging Face model), or --preset NAME";
+  const auto opened = detail::ReadOnlyFile::open_if_exists(file.string(), uint64_t{16} << 20, "model config", fix);
+  TORCH_CHECK(opened, "estimate-memory: cannot read the model config '", file.string(), "': it does not exist; ", fix);
+  const auto text = opened->read_text();
   nlohmann::json config;
   try {
-    config = nlohmann::json::parse(text.str());
+    config = nlohmann::json::parse(text);
   } catch (const nlohmann::json::exception& error) {
     TORCH_CHECK(false, "Llama config '", file.string(), "' is not valid JSON (", error.what(), ")");
   }

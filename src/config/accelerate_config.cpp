@@ -5,13 +5,13 @@
 
 #include "config/did_you_mean.h"
 #include "config/text.h"
+#include "io/read_only_file.h"
 
 #include <c10/util/Exception.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <filesystem>
-#include <fstream>
 #include <sstream>
 
 namespace fsdp {
@@ -213,15 +213,8 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
 }
 
 std::string read_config_file(const std::string& path) {
-  // Only regular files: opening a FIFO would wait for a writer forever.
-  std::error_code error;
-  TORCH_CHECK(!std::filesystem::exists(path, error) || std::filesystem::is_regular_file(path, error), "config file '",
-              path, "' is not a regular file; give the path of an Accelerate YAML file");
-  std::ifstream file(path);
-  TORCH_CHECK(file.good(), "config file '", path, "' cannot be read: it does not exist or is not readable.");
-  std::stringstream text;
-  text << file.rdbuf();
-  return text.str();
+  // An Accelerate YAML file is a few kilobytes.
+  return detail::read_text_file(path, uint64_t{16} << 20, "config file", "give the path of an Accelerate YAML file");
 }
 
 AccelerateConfig load_accelerate_config(const std::string& path) {

@@ -7,13 +7,11 @@
 #include <algorithm>
 #include <optional>
 #include <cstring>
-#include <fcntl.h>
 #include <set>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
+#include <limits>
 
 #include "io/atomic_file.h"
+#include "io/read_only_file.h"
 
 namespace fsdp {
 namespace {
@@ -236,70 +234,17 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
   return result;
 }
 
-SafetensorsReader::SafetensorsReader(const std::string& path) : path_(path) {
-  // O_NONBLOCK: opening a FIFO in place of the file must not wait for a writer (the check below
-  // refuses it); reads of a regular file ignore the flag.
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
-  TORCH_CHECK(fd >= 0, "cannot open safetensors file '", path, "': ", std::strerror(errno));
-  struct stat status {};
-  if (::fstat(fd, &status) != 0) {
-    const int error = errno;
-    ::close(fd);
-    TORCH_CHECK(false, "cannot stat safetensors file '", path, "': ", std::strerror(error));
-  }
-  if (!S_ISREG(status.st_mode)) {
-    ::close(fd);
-    TORCH_CHECK(false, "safetensors file '", path, "' is not a regular file");
-  }
-  size_ = static_cast<size_t>(status.st_size);
-  if (size_ > 0) {
-    // Mapped for parsing (only the header's pages are touched); tensor data is read with pread.
-    void* mapping = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-    const int error = errno;
-    if (mapping == MAP_FAILED) ::close(fd);
-    TORCH_CHECK(mapping != MAP_FAILED, "cannot map safetensors file '", path, "': ", std::strerror(error));
-    mapping_ = static_cast<const uint8_t*>(mapping);
-  }
-  fd_ = fd;
-  try {
-    header_ = parse_safetensors(mapping_, size_, path);
-  } catch (...) {
-    if (mapping_) ::munmap(const_cast<uint8_t*>(mapping_), size_);
-    mapping_ = nullptr;
-    ::close(fd_);
-    fd_ = -1;
-    throw;
-  }
+SafetensorsReader::SafetensorsReader(const std::string& path)
+    // No bound on the size: the file is mapped, not read; only the header's pages are touched
+    // while parsing (the header's own length is bounded by the parser), tensor data is read with pread.
+    : path_(path),
+      file_(std::make_unique<detail::ReadOnlyFile>(path, std::numeric_limits<uint64_t>::max(), "safetensors file")) {
+  header_ = parse_safetensors(file_->map(), static_cast<size_t>(file_->size()), path);
 }
 
-SafetensorsReader::~SafetensorsReader() {
-  if (mapping_) ::munmap(const_cast<uint8_t*>(mapping_), size_);
-  if (fd_ >= 0) ::close(fd_);
-}
-
-SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept
-    : path_(std::move(other.path_)), fd_(other.fd_), mapping_(other.mapping_), size_(other.size_),
-      header_(std::move(other.header_)) {
-  other.mapping_ = nullptr;
-  other.size_ = 0;
-  other.fd_ = -1;
-}
-
-SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& other) noexcept {
-  if (this != &other) {
-    if (mapping_) ::munmap(const_cast<uint8_t*>(mapping_), size_);
-    if (fd_ >= 0) ::close(fd_);
-    path_ = std::move(other.path_);
-    fd_ = other.fd_;
-    mapping_ = other.mapping_;
-    size_ = other.size_;
-    header_ = std::move(other.header_);
-    other.mapping_ = nullptr;
-    other.size_ = 0;
-    other.fd_ = -1;
-  }
-  return *this;
-}
+SafetensorsReader::~SafetensorsReader() = default;
+SafetensorsReader::SafetensorsReader(SafetensorsReader&& other) noexcept = default;
+SafetensorsReader& SafetensorsReader::operator=(SafetensorsReader&& other) noexcept = default;
 
 int64_t SafetensorsReader::row_bytes(const std::string& name) const {
   const auto& found = info(name);
@@ -317,16 +262,10 @@ void SafetensorsReader::read_rows(const std::string& name, int64_t row_begin, in
               "': rows [", row_begin, ", ", row_begin + row_count, ") of tensor '", name, "' are outside its ",
               total_rows, " rows");
   const int64_t bytes = row_count * row_bytes(name);
-  int64_t done = 0;
   const int64_t offset = header_.data_offset + found.begin + row_begin * row_bytes(name);
-  while (done < bytes) {
-    const ssize_t n = ::pread(fd_, static_cast<char*>(destination) + done, static_cast<size_t>(bytes - done),
-                              static_cast<off_t>(offset + done));
-    if (n < 0 && errno == EINTR) continue;
-    TORCH_CHECK(n > 0, "reading safetensors file '", path_, "' (tensor '", name, "'): ",
-                n == 0 ? "the file shrank while open" : std::strerror(errno));
-    done += n;
-  }
+  file_->read_exactly(destination, static_cast<size_t>(bytes), static_cast<uint64_t>(offset),
+                      "tensor '" + name + "' rows [" + std::to_string(row_begin) + ", " +
+                          std::to_string(row_begin + row_count) + ")");
 }
 
 const SafetensorsTensorInfo& SafetensorsReader::info(const std::string& name) const {

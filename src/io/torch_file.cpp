@@ -9,15 +9,13 @@
 #include <torch/csrc/jit/serialization/storage_context.h>
 
 #include <cstring>
-#include <filesystem>
 #include <map>
 #include <set>
-#include <fstream>
-#include <iterator>
 #include <memory>
 #include <unordered_set>
 
 #include "io/atomic_file.h"
+#include "io/read_only_file.h"
 #include "io/restricted_unpickler.h"
 
 namespace fsdp {
@@ -111,14 +109,7 @@ void write_torch_archive(const c10::IValue& value, const std::function<void(cons
 }
 
 c10::IValue load_torch_file(const std::string& path) {
-  // Only regular files: opening a FIFO would wait for a writer forever.
-  std::error_code error;
-  TORCH_CHECK(!std::filesystem::exists(path, error) || std::filesystem::is_regular_file(path, error), "torch file '", path,
-              "' is not a regular file");
-  std::ifstream file(path, std::ios::binary);
-  TORCH_CHECK(file, "cannot open torch file '", path, "'");
-  std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  return load_torch_bytes(bytes, path);
+  return load_torch_bytes(detail::ReadOnlyFile(path, detail::in_memory_bound(), "torch file").read_all(), path);
 }
 
 namespace {
@@ -650,12 +641,7 @@ c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& 
 }
 
 detail::StateDictWithShardedTensors detail::load_state_dict_with_sharded_tensors(const std::string& path) {
-  std::error_code error;
-  TORCH_CHECK(std::filesystem::is_regular_file(path, error), "torch file '", path, "' is not a regular file");
-  std::ifstream file(path, std::ios::binary);
-  TORCH_CHECK(file, "cannot open torch file '", path, "'");
-  const std::vector<char> bytes((std::istreambuf_iterator<char>(file)), std::istreambuf_iterator<char>());
-  return state_dict_with_sharded_tensors_from_bytes(bytes, path);
+  return state_dict_with_sharded_tensors_from_bytes(ReadOnlyFile(path, in_memory_bound(), "torch file").read_all(), path);
 }
 
 detail::StateDictWithShardedTensors detail::state_dict_with_sharded_tensors_from_bytes(const std::vector<char>& bytes,

@@ -73,7 +73,8 @@ bool port_can_be_bound(int port) {
 }
 
 // The kernel's ephemeral range (net.ipv4.ip_local_port_range), which bind(port 0) and outgoing
-// connections draw from; Linux's default when the file cannot be read.
+// connections draw from; Linux's default when the file cannot be read. (A kernel file, not
+// untrusted input, and one whose stat size is 0: read as a stream, not as a ReadOnlyFile.)
 std::pair<int, int> ephemeral_port_range() {
   std::ifstream file("/proc/sys/net/ipv4/ip_local_port_range");
   int low = 32768, high = 60999;
