@@ -12,9 +12,6 @@
 // what fsdp::all_reduce runs (Note [Algorithms by measurement]).
 //   fsdp launch --nproc-per-node 8 -- build/bin/collective_bench --sweep
 #include <fsdp/fsdp.h>
-
-#include "dist/c10d/backend.h"
-
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -24,6 +21,8 @@
 #include <filesystem>
 #include <functional>
 #include <iostream>
+
+#include "dist/c10d/backend.h"
 
 namespace {
 
@@ -55,15 +54,16 @@ void run_sweep(const fsdp::DistributedContext& context) {
       fsdp::all_reduce(group, full);
     }
   }
-  for (const int64_t bytes : {int64_t{64} << 10, int64_t{256} << 10, int64_t{1} << 20, int64_t{4} << 20, int64_t{16} << 20,
-                              int64_t{64} << 20}) {
+  for (const int64_t bytes : {int64_t{64} << 10, int64_t{256} << 10, int64_t{1} << 20, int64_t{4} << 20,
+                              int64_t{16} << 20, int64_t{64} << 20}) {
     const int64_t numel = bytes / 4 / world * world;
     auto full = torch::randn({numel});
     auto shard = torch::randn({numel / world});
     // Fewer repeats for the large sizes: each takes long, and their spread is small.
     const int repeats = bytes >= (int64_t{16} << 20) ? 5 : 15;
     const double gather = median_seconds(context, repeats, [&] { fsdp::all_gather(group, full, shard); });
-    const double native_gather = median_seconds(context, repeats, [&] { fsdp::detail::native_all_gather(group, full, shard); });
+    const double native_gather =
+        median_seconds(context, repeats, [&] { fsdp::detail::native_all_gather(group, full, shard); });
     const double scatter = median_seconds(context, repeats, [&] { fsdp::reduce_scatter(group, shard, full); });
     const double native_scatter =
         median_seconds(context, repeats, [&] { fsdp::detail::native_reduce_scatter(group, shard, full); });
@@ -71,7 +71,8 @@ void run_sweep(const fsdp::DistributedContext& context) {
       fsdp::reduce_scatter(group, shard, full);
       fsdp::all_gather(group, full, shard);
     });
-    const double native_reduce = median_seconds(context, repeats, [&] { fsdp::detail::native_all_reduce(group, full); });
+    const double native_reduce =
+        median_seconds(context, repeats, [&] { fsdp::detail::native_all_reduce(group, full); });
     const double engine_reduce = median_seconds(context, repeats, [&] { fsdp::all_reduce(group, full); });
     if (context.rank() != 0) continue;
     const char* names[] = {"all_gather", "reduce_scatter", "all_reduce"};
@@ -79,10 +80,11 @@ void run_sweep(const fsdp::DistributedContext& context) {
     const double native[] = {native_gather, native_scatter, native_reduce};
     for (int op = 0; op < 3; ++op) {
       // "engine": what fsdp::all_reduce runs (Note [Algorithms by measurement]); for the others, direct.
-      std::printf("{\"benchmark\": \"collective_sweep\", \"collective\": \"%s\", \"world_size\": %lld, \"bytes\": %lld, "
-                  "\"direct_s\": %.6f, \"gloo_s\": %.6f, \"engine_s\": %.6f}\n",
-                  names[op], static_cast<long long>(world), static_cast<long long>(numel * 4), ours[op], native[op],
-                  op == 2 ? engine_reduce : ours[op]);
+      std::printf(
+          "{\"benchmark\": \"collective_sweep\", \"collective\": \"%s\", \"world_size\": %lld, \"bytes\": %lld, "
+          "\"direct_s\": %.6f, \"gloo_s\": %.6f, \"engine_s\": %.6f}\n",
+          names[op], static_cast<long long>(world), static_cast<long long>(numel * 4), ours[op], native[op],
+          op == 2 ? engine_reduce : ours[op]);
     }
     std::fflush(stdout);
   }
@@ -105,8 +107,10 @@ int main(int argc, char** argv) {
       std::cerr << "collective_bench: " << flag << " needs a value\n";
       return 2;
     }
-    if (flag == "--megabytes") megabytes = std::stoll(argv[index + 1]);
-    else if (flag == "--directory") directory = argv[index + 1];
+    if (flag == "--megabytes")
+      megabytes = std::stoll(argv[index + 1]);
+    else if (flag == "--directory")
+      directory = argv[index + 1];
     else {
       std::cerr << "usage: collective_bench [--megabytes N] [--directory DIR] | --sweep\n";
       return 2;
@@ -130,11 +134,12 @@ int main(int argc, char** argv) {
     const double native_scatter =
         median_seconds(context, 5, [&] { fsdp::detail::native_reduce_scatter(context.world(), shard, full); });
     if (context.rank() == 0) {
-      std::printf("{\"benchmark\": \"collectives\", \"world_size\": %lld, \"bytes\": %lld, \"all_gather_s\": %.4f, "
-                  "\"reduce_scatter_s\": %.4f, \"all_reduce_s\": %.4f, \"native_all_gather_s\": %.4f, "
-                  "\"native_reduce_scatter_s\": %.4f}\n",
-                  static_cast<long long>(world), static_cast<long long>(numel * 4), gather, scatter, reduce,
-                  native_gather, native_scatter);
+      std::printf(
+          "{\"benchmark\": \"collectives\", \"world_size\": %lld, \"bytes\": %lld, \"all_gather_s\": %.4f, "
+          "\"reduce_scatter_s\": %.4f, \"all_reduce_s\": %.4f, \"native_all_gather_s\": %.4f, "
+          "\"native_reduce_scatter_s\": %.4f}\n",
+          static_cast<long long>(world), static_cast<long long>(numel * 4), gather, scatter, reduce, native_gather,
+          native_scatter);
     }
     // SHARDED checkpoint throughput: every rank writes its rows (fsynced), then reads them back.
     fsdp::ShardedTensorList tensors;
@@ -158,9 +163,10 @@ int main(int argc, char** argv) {
       const std::string command = "cp -r " + target + " " + directory + "/copy && sync " + directory + "/copy/*";
       if (std::system(command.c_str()) != 0) throw std::runtime_error("cp failed");
       copy = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-      std::printf("{\"benchmark\": \"sharded_checkpoint\", \"world_size\": %lld, \"bytes\": %lld, \"save_s\": %.4f, "
-                  "\"load_s\": %.4f, \"cp_fsync_s\": %.4f}\n",
-                  static_cast<long long>(world), static_cast<long long>(numel * 4), save, load, copy);
+      std::printf(
+          "{\"benchmark\": \"sharded_checkpoint\", \"world_size\": %lld, \"bytes\": %lld, \"save_s\": %.4f, "
+          "\"load_s\": %.4f, \"cp_fsync_s\": %.4f}\n",
+          static_cast<long long>(world), static_cast<long long>(numel * 4), save, load, copy);
       std::filesystem::remove_all(directory);
     }
     fsdp::barrier(context.world());

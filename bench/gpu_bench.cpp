@@ -13,18 +13,16 @@
 //       [--sequence 1024] [--layers 22] [--json out.json] [--peak-tflops 989.5]
 #include <fsdp/fsdp.h>
 #include <fsdp/models/llama.h>
-
 #include <torch/cuda.h>
 #include <torch/torch.h>
 
+#include <CLI/CLI.hpp>
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <fstream>
 #include <iostream>
 #include <string>
-
-#include <CLI/CLI.hpp>
 
 int main(int argc, char** argv) {
   CLI::App app{"fsdp.cpp GPU benchmark: a 1.1B Llama under fully_shard"};
@@ -90,8 +88,8 @@ int main(int argc, char** argv) {
     const int64_t gpus = context.world_size();
     const double tokens_per_step = static_cast<double>(batch * sequence * gpus);
     const double tokens_per_second = tokens_per_step / step_time;
-    const double flops_per_token = 6.0 * static_cast<double>(parameters) +
-                                   12.0 * static_cast<double>(layers * config.hidden_size * sequence);
+    const double flops_per_token =
+        6.0 * static_cast<double>(parameters) + 12.0 * static_cast<double>(layers * config.hidden_size * sequence);
     const double mfu = tokens_per_second * flops_per_token / (static_cast<double>(gpus) * peak_tflops * 1e12);
     if (context.rank() == 0) {
       std::string line = "{\"side\": \"fsdp_cpp\", \"gpus\": " + std::to_string(gpus) +
@@ -102,7 +100,8 @@ int main(int argc, char** argv) {
                          ", \"peak_memory_bytes\": " + std::to_string(fsdp::peak_device_memory_bytes(device)) +
                          ", \"mfu\": " + std::to_string(mfu) + ", \"loss_first\": " + std::to_string(losses.front()) +
                          ", \"loss_last\": " + std::to_string(losses.back()) + ", \"batch\": " + std::to_string(batch) +
-                         ", \"sequence\": " + std::to_string(sequence) + ", \"layers\": " + std::to_string(layers) + "}";
+                         ", \"sequence\": " + std::to_string(sequence) + ", \"layers\": " + std::to_string(layers) +
+                         "}";
       std::cout << line << std::endl;
       if (!json_path.empty()) std::ofstream(json_path) << line << "\n";
     }

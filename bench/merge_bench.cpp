@@ -5,18 +5,17 @@
 //
 //   build/bin/merge_bench [--bytes 1GB] [--format dcp|rank-files] [--directory /tmp/fsdp_merge_bench]
 #include <fsdp/fsdp.h>
-
+#include <sys/resource.h>
+#include <sys/wait.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
-#include <chrono>
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
 #include <string>
-#include <sys/resource.h>
-#include <sys/wait.h>
-#include <unistd.h>
 #include <vector>
 
 namespace fs = std::filesystem;
@@ -40,7 +39,7 @@ Measured run(const std::vector<std::string>& argv) {
     ::_exit(127);
   }
   int status = 0;
-  struct rusage usage {};
+  struct rusage usage{};
   ::wait4(child, &status, 0, &usage);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     std::cerr << "merge_bench: " << argv[0] << " failed\n";
@@ -82,11 +81,15 @@ int main(int argc, char** argv) {
   std::string format = "dcp";
   for (int index = 1; index < argc; ++index) {
     const std::string word = argv[index];
-    if (word == "--bytes" && index + 1 < argc) size = argv[++index];
-    else if (word == "--directory" && index + 1 < argc) directory = argv[++index];
-    else if (word == "--generate") generating = true;
-    else if (word == "--format" && index + 1 < argc && (std::string(argv[index + 1]) == "dcp" ||
-                                                         std::string(argv[index + 1]) == "rank-files")) format = argv[++index];
+    if (word == "--bytes" && index + 1 < argc)
+      size = argv[++index];
+    else if (word == "--directory" && index + 1 < argc)
+      directory = argv[++index];
+    else if (word == "--generate")
+      generating = true;
+    else if (word == "--format" && index + 1 < argc &&
+             (std::string(argv[index + 1]) == "dcp" || std::string(argv[index + 1]) == "rank-files"))
+      format = argv[++index];
     else {
       std::cerr << "usage: merge_bench [--bytes SIZE] [--format dcp|rank-files] [--directory DIR]\n";
       return 2;
@@ -122,23 +125,26 @@ int main(int argc, char** argv) {
       copies.push_back(run({"cp", "-r", sharded, directory + "/copy"}));
       // Flushed outside the timing: an fsync on ext4 (data=ordered) also waits for other files' dirty data.
       run({"sync"});
-      synced_copies.push_back(run({"sh", "-c", "cp -r " + sharded + " " + directory + "/copy_synced && sync " +
-                                                   directory + "/copy_synced/*"}));
+      synced_copies.push_back(run(
+          {"sh", "-c", "cp -r " + sharded + " " + directory + "/copy_synced && sync " + directory + "/copy_synced/*"}));
       merges.push_back(run({cli, "merge-weights", sharded, directory + "/merged"}));
     }
     auto median = [](std::vector<Measured> values) {
-      std::sort(values.begin(), values.end(), [](const Measured& a, const Measured& b) { return a.seconds < b.seconds; });
+      std::sort(values.begin(), values.end(),
+                [](const Measured& a, const Measured& b) { return a.seconds < b.seconds; });
       return values[values.size() / 2];
     };
     const auto copy = median(copies);
     const auto copy_synced = median(synced_copies);
     const auto merge = median(merges);
-    std::printf("{\"benchmark\": \"merge\", \"format\": \"%s\", \"bytes\": %lld, \"cp_seconds\": %.3f, \"cp_fsync_seconds\": %.3f, "
-                "\"merge_seconds\": %.3f, \"ratio_to_cp_fsync\": %.3f, \"ratio_to_cp\": %.3f, "
-                "\"merge_peak_rss_mb\": %.1f, \"cp_peak_rss_mb\": %.1f}\n",
-                format.c_str(), static_cast<long long>(total), copy.seconds, copy_synced.seconds, merge.seconds,
-                merge.seconds / copy_synced.seconds, merge.seconds / copy.seconds, merge.peak_rss_kb / 1024.0,
-                copy.peak_rss_kb / 1024.0);
+    std::printf(
+        "{\"benchmark\": \"merge\", \"format\": \"%s\", \"bytes\": %lld, \"cp_seconds\": %.3f, \"cp_fsync_seconds\": "
+        "%.3f, "
+        "\"merge_seconds\": %.3f, \"ratio_to_cp_fsync\": %.3f, \"ratio_to_cp\": %.3f, "
+        "\"merge_peak_rss_mb\": %.1f, \"cp_peak_rss_mb\": %.1f}\n",
+        format.c_str(), static_cast<long long>(total), copy.seconds, copy_synced.seconds, merge.seconds,
+        merge.seconds / copy_synced.seconds, merge.seconds / copy.seconds, merge.peak_rss_kb / 1024.0,
+        copy.peak_rss_kb / 1024.0);
     fs::remove_all(directory);
   } catch (const c10::Error& error) {
     std::cerr << "merge_bench: " << error.what_without_backtrace() << "\n";

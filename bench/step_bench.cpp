@@ -20,10 +20,12 @@
 // the steps, rank 0 streaming one tensor at a time (one JSON line "init_from": time, each rank's
 // peak RSS growth and bytes read from storage). Loads and reads start with the files evicted from
 // the page cache (posix_fadvise), so they come from the disk.
+#include <fcntl.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/models/llama.h>
-
+#include <sys/resource.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -31,12 +33,9 @@
 #include <filesystem>
 #include <fstream>
 #include <functional>
-#include <unordered_set>
 #include <iostream>
 #include <sstream>
-#include <fcntl.h>
-#include <sys/resource.h>
-#include <unistd.h>
+#include <unordered_set>
 
 namespace {
 
@@ -51,7 +50,8 @@ struct BlockImpl : torch::nn::Module {
   torch::Tensor forward(const torch::Tensor& x) {
     if (sample_working_set) sample_working_set();
     auto inner = fsdp::forward(up, x);
-    if (inner.requires_grad() && sample_working_set) inner.register_hook([](const torch::Tensor&) { sample_working_set(); });
+    if (inner.requires_grad() && sample_working_set)
+      inner.register_hook([](const torch::Tensor&) { sample_working_set(); });
     return x + fsdp::forward(down, torch::gelu(inner));
   }
   torch::nn::Linear up, down;
@@ -167,30 +167,51 @@ int main(int argc, char** argv) {
   std::string checkpoint_dir, resume_from, init_from;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
-    if (flag == "--strategy") strategy = value;
-    else if (flag == "--model") model_kind = value;
-    else if (flag == "--prefetch") prefetch = value;
-    else if (flag == "--steps") steps = std::stoll(value);
-    else if (flag == "--width") width = std::stoll(value);
-    else if (flag == "--hidden") hidden = std::stoll(value);
-    else if (flag == "--blocks") blocks = std::stoll(value);
-    else if (flag == "--batch") batch = std::stoll(value);
-    else if (flag == "--length") length = std::stoll(value);
-    else if (flag == "--vocab") vocab = std::stoll(value);
-    else if (flag == "--host-memory") host_memory = value;
-    else if (flag == "--reshard-after-forward") reshard_group = std::stoll(value);
-    else if (flag == "--heads") heads = std::stoll(value);
-    else if (flag == "--kv-heads") kv_heads = std::stoll(value);
-    else if (flag == "--untied") untied = std::stoll(value);
-    else if (flag == "--meta-init") meta_init = std::stoll(value);
-    else if (flag == "--checkpoint") checkpoint_dir = value;
-    else if (flag == "--resume-from") resume_from = value;
-    else if (flag == "--init-from") init_from = value;
+    if (flag == "--strategy")
+      strategy = value;
+    else if (flag == "--model")
+      model_kind = value;
+    else if (flag == "--prefetch")
+      prefetch = value;
+    else if (flag == "--steps")
+      steps = std::stoll(value);
+    else if (flag == "--width")
+      width = std::stoll(value);
+    else if (flag == "--hidden")
+      hidden = std::stoll(value);
+    else if (flag == "--blocks")
+      blocks = std::stoll(value);
+    else if (flag == "--batch")
+      batch = std::stoll(value);
+    else if (flag == "--length")
+      length = std::stoll(value);
+    else if (flag == "--vocab")
+      vocab = std::stoll(value);
+    else if (flag == "--host-memory")
+      host_memory = value;
+    else if (flag == "--reshard-after-forward")
+      reshard_group = std::stoll(value);
+    else if (flag == "--heads")
+      heads = std::stoll(value);
+    else if (flag == "--kv-heads")
+      kv_heads = std::stoll(value);
+    else if (flag == "--untied")
+      untied = std::stoll(value);
+    else if (flag == "--meta-init")
+      meta_init = std::stoll(value);
+    else if (flag == "--checkpoint")
+      checkpoint_dir = value;
+    else if (flag == "--resume-from")
+      resume_from = value;
+    else if (flag == "--init-from")
+      init_from = value;
     else {
-      std::cerr << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
-                   "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
-                   "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K] [--heads H] "
-                   "[--kv-heads K] [--untied 0|1] [--meta-init 0|1] [--checkpoint DIR] [--resume-from DIR] [--init-from HF_DIR]\n";
+      std::cerr
+          << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
+             "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
+             "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K] [--heads H] "
+             "[--kv-heads K] [--untied 0|1] [--meta-init 0|1] [--checkpoint DIR] [--resume-from DIR] [--init-from "
+             "HF_DIR]\n";
       return 2;
     }
   }
@@ -241,7 +262,8 @@ int main(int argc, char** argv) {
       // A meta-built model gets its values unit by unit, as the constructor would give them.
       if (meta_init != 0) {
         param_init = [impl = llama.ptr()](torch::nn::Module& module) {
-          TORCH_CHECK(impl->init_weights(module) || fsdp::reset_parameters(module), "no initializer for ", module.name());
+          TORCH_CHECK(impl->init_weights(module) || fsdp::reset_parameters(module), "no initializer for ",
+                      module.name());
         };
       }
       for (auto& layer : llama->model->decoder_layers) units.push_back(layer.ptr());
@@ -307,7 +329,8 @@ int main(int argc, char** argv) {
       fsdp::all_reduce(context.world(), row);
       std::ostringstream text;
       text << "[";
-      for (int64_t rank = 0; rank < context.world_size(); ++rank) text << (rank ? ", " : "") << row[rank].item<double>();
+      for (int64_t rank = 0; rank < context.world_size(); ++rank)
+        text << (rank ? ", " : "") << row[rank].item<double>();
       text << "]";
       return text.str();
     };
@@ -336,13 +359,13 @@ int main(int argc, char** argv) {
       int64_t largest = 0;
       for (const auto& parameter : model->parameters()) largest = std::max<int64_t>(largest, parameter.numel());
       if (context.rank() == 0) {
-        std::printf("{\"benchmark\": \"init_from\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
-                    "\"bytes\": %lld, \"load_s\": %.3f, \"page_cache\": \"%s\", \"peak_rss_delta_mb\": %s, "
-                    "\"storage_read_mb\": %s, \"largest_shard_elements\": %lld}\n",
-                    static_cast<long long>(world), static_cast<long long>(parameters),
-                    static_cast<long long>(directory_bytes(init_from)), load.seconds, cold ? "cold" : "warm",
-                    load.peak_rss_delta_mb.c_str(),
-                    reads.c_str(), static_cast<long long>(largest));
+        std::printf(
+            "{\"benchmark\": \"init_from\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+            "\"bytes\": %lld, \"load_s\": %.3f, \"page_cache\": \"%s\", \"peak_rss_delta_mb\": %s, "
+            "\"storage_read_mb\": %s, \"largest_shard_elements\": %lld}\n",
+            static_cast<long long>(world), static_cast<long long>(parameters),
+            static_cast<long long>(directory_bytes(init_from)), load.seconds, cold ? "cold" : "warm",
+            load.peak_rss_delta_mb.c_str(), reads.c_str(), static_cast<long long>(largest));
         std::fflush(stdout);
       }
     }
@@ -351,18 +374,19 @@ int main(int argc, char** argv) {
       TORCH_CHECK(!single, "--resume-from needs a sharded run, not SINGLE");
       const auto load = timed([&] { fsdp::load_checkpoint(resume_from, *model, optimizer, context); });
       if (context.rank() == 0) {
-        std::printf("{\"benchmark\": \"resume\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
-                    "\"bytes\": %lld, \"load_s\": %.3f, \"load_peak_rss_delta_mb\": %s}\n",
-                    static_cast<long long>(world), static_cast<long long>(parameters),
-                    static_cast<long long>(directory_bytes(resume_from)), load.seconds,
-                    load.peak_rss_delta_mb.c_str());
+        std::printf(
+            "{\"benchmark\": \"resume\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+            "\"bytes\": %lld, \"load_s\": %.3f, \"load_peak_rss_delta_mb\": %s}\n",
+            static_cast<long long>(world), static_cast<long long>(parameters),
+            static_cast<long long>(directory_bytes(resume_from)), load.seconds, load.peak_rss_delta_mb.c_str());
         std::fflush(stdout);
       }
     }
     // HYBRID_SHARD talks over the machine's group and the cross-machine group, the others over the world.
     // hpZ's backward all-gathers run over its post-forward group.
-    const fsdp::ProcessGroup* post_forward =
-        reshard_group > 1 && reshard_group < world ? &context.consecutive_subgroup(context.world(), reshard_group) : nullptr;
+    const fsdp::ProcessGroup* post_forward = reshard_group > 1 && reshard_group < world
+                                                 ? &context.consecutive_subgroup(context.world(), reshard_group)
+                                                 : nullptr;
     auto bytes_sent = [&] {
       const int64_t extra = post_forward ? post_forward->bytes_sent().total() : 0;
       if (strategy != "HYBRID_SHARD") return context.world().bytes_sent().total() + extra;
@@ -419,7 +443,8 @@ int main(int argc, char** argv) {
         loopback_before >= 0 && loopback_after >= 0 && !single ? (loopback_after - loopback_before) / steps : -1;
     std::sort(times.begin(), times.end());
     std::sort(unit_bytes.rbegin(), unit_bytes.rend());
-    const int64_t two_largest_units = unit_bytes.empty() ? 0 : unit_bytes[0] + (unit_bytes.size() > 1 ? unit_bytes[1] : 0);
+    const int64_t two_largest_units =
+        unit_bytes.empty() ? 0 : unit_bytes[0] + (unit_bytes.size() > 1 ? unit_bytes[1] : 0);
     // Ranks that split the parameters and ranks that hold the same shard: HYBRID_SHARD shards inside a
     // machine and replicates across machines.
     const bool hybrid = strategy == "HYBRID_SHARD";
@@ -445,8 +470,10 @@ int main(int argc, char** argv) {
     const double machine_ranks = single ? 1.0 : static_cast<double>(context.intra_node().size());
     const double off_machine = (static_cast<double>(world) - machine_ranks) / static_cast<double>(world);
     double cross_host_theory = 0.0;
-    if (hybrid) cross_host_theory = 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
-    else if (strategy == "NO_SHARD") cross_host_theory = 2.0 * off_machine * parameters * 4.0;
+    if (hybrid)
+      cross_host_theory = 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
+    else if (strategy == "NO_SHARD")
+      cross_host_theory = 2.0 * off_machine * parameters * 4.0;
     else if (!single) {
       // Backward's all-gather: over the world (FULL_SHARD), none (SHARD_GRAD_OP), or over k
       // consecutive ranks (hpZ), which leave the machine only when k is more than a machine's ranks.
@@ -455,30 +482,36 @@ int main(int argc, char** argv) {
         const double k = static_cast<double>(reshard_group);
         backward_off_machine = k > machine_ranks ? (k - machine_ranks) / k : 0.0;
       }
-      cross_host_theory = (off_machine * 2.0 * parameters + backward_off_machine * (parameters - root_parameters)) * 4.0;
+      cross_host_theory =
+          (off_machine * 2.0 * parameters + backward_off_machine * (parameters - root_parameters)) * 4.0;
     }
     // Only the MLP blocks carry the probe; the Llama layers have no place for it.
     if (model_kind != "mlp") working_set_peak = -1;
-    struct rusage usage {};
+    struct rusage usage{};
     ::getrusage(RUSAGE_SELF, &usage);
     if (context.rank() == 0) {
-      std::printf("{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
-                  "\"prefetch\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, \"median_step_s\": %.4f, "
-                  "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"loopback_bytes_per_step\": %lld, \"model_state_bytes_per_rank\": %lld, "
-                  "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
-                  "\"peak_rss_mb\": %.1f, \"check_collectives\": %d, \"setup_s\": %.3f, \"start_to_first_step_s\": %.3f, "
-                  "\"control_bytes\": %lld, \"reshard_after_forward\": %lld, \"link\": \"%s\", \"link_tx_bytes_per_step\": %lld, "
-                  "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld}\n",
-                  model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
-                  static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step),
-                  theory, static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes), 16.0 * parameters / shard_ranks,
-                  static_cast<long long>(working_set_peak), static_cast<long long>(two_largest_units),
-                  usage.ru_maxrss / 1024.0, context.environment().check_collectives ? 1 : 0,
-                  std::chrono::duration<double>(setup_done - main_started).count(),
-                  std::chrono::duration<double>(first_step_done - main_started).count(),
-                  static_cast<long long>(context.control().bytes_sent().total()), static_cast<long long>(reshard_group),
-                  link.c_str(), static_cast<long long>(link_per_step), cross_host_theory,
-                  static_cast<long long>(machine_ranks));
+      std::printf(
+          "{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
+          "\"prefetch\": \"%s\", \"host_memory\": \"%s\", \"world_size\": %lld, \"parameters\": %lld, "
+          "\"median_step_s\": %.4f, "
+          "\"bytes_sent_per_step\": %lld, \"bytes_theory\": %.0f, \"loopback_bytes_per_step\": %lld, "
+          "\"model_state_bytes_per_rank\": %lld, "
+          "\"model_state_formula\": %.0f, \"unsharded_peak_bytes\": %lld, \"two_largest_units_bytes\": %lld, "
+          "\"peak_rss_mb\": %.1f, \"check_collectives\": %d, \"setup_s\": %.3f, \"start_to_first_step_s\": %.3f, "
+          "\"control_bytes\": %lld, \"reshard_after_forward\": %lld, \"link\": \"%s\", \"link_tx_bytes_per_step\": "
+          "%lld, "
+          "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld}\n",
+          model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
+          static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step), theory,
+          static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes),
+          16.0 * parameters / shard_ranks, static_cast<long long>(working_set_peak),
+          static_cast<long long>(two_largest_units), usage.ru_maxrss / 1024.0,
+          context.environment().check_collectives ? 1 : 0,
+          std::chrono::duration<double>(setup_done - main_started).count(),
+          std::chrono::duration<double>(first_step_done - main_started).count(),
+          static_cast<long long>(context.control().bytes_sent().total()), static_cast<long long>(reshard_group),
+          link.c_str(), static_cast<long long>(link_per_step), cross_host_theory,
+          static_cast<long long>(machine_ranks));
     }
     if (!checkpoint_dir.empty()) {
       // SHARDED save of model and AdamW state (fsynced, as every file the library writes), then a
@@ -508,22 +541,25 @@ int main(int argc, char** argv) {
         cold = cold && evict_from_page_cache(checkpoint_dir);
         const double read = seconds_of([&] {
           TORCH_CHECK(std::system(("find " + checkpoint_dir + " -type f -print0 | xargs -0 -n 1 -P " +
-                                   std::to_string(world) + " cat > /dev/null").c_str()) == 0,
+                                   std::to_string(world) + " cat > /dev/null")
+                                      .c_str()) == 0,
                       "reading the checkpoint failed");
         });
-        std::printf("{\"benchmark\": \"checkpoint\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
-                    "\"bytes\": %lld, \"save_s\": %.3f, \"load_s\": %.3f, \"cp_sync_s\": %.3f, \"read_s\": %.3f, "
-                    "\"page_cache\": \"%s\", \"save_peak_rss_delta_mb\": %s, \"load_peak_rss_delta_mb\": %s, "
-                    "\"losses\": [",
-                    static_cast<long long>(world), static_cast<long long>(parameters), static_cast<long long>(bytes),
-                    save.seconds, load.seconds, cp, read, cold ? "cold" : "warm", save.peak_rss_delta_mb.c_str(),
-                    load.peak_rss_delta_mb.c_str());
+        std::printf(
+            "{\"benchmark\": \"checkpoint\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+            "\"bytes\": %lld, \"save_s\": %.3f, \"load_s\": %.3f, \"cp_sync_s\": %.3f, \"read_s\": %.3f, "
+            "\"page_cache\": \"%s\", \"save_peak_rss_delta_mb\": %s, \"load_peak_rss_delta_mb\": %s, "
+            "\"losses\": [",
+            static_cast<long long>(world), static_cast<long long>(parameters), static_cast<long long>(bytes),
+            save.seconds, load.seconds, cp, read, cold ? "cold" : "warm", save.peak_rss_delta_mb.c_str(),
+            load.peak_rss_delta_mb.c_str());
         for (size_t index = 0; index < losses.size(); ++index) std::printf("%s%.6f", index ? ", " : "", losses[index]);
         std::printf("]}\n");
       }
       fsdp::barrier(context.world());
     } else if (!resume_from.empty() && context.rank() == 0) {
-      std::printf("{\"benchmark\": \"resume_losses\", \"world_size\": %lld, \"losses\": [", static_cast<long long>(world));
+      std::printf("{\"benchmark\": \"resume_losses\", \"world_size\": %lld, \"losses\": [",
+                  static_cast<long long>(world));
       for (size_t index = 0; index < losses.size(); ++index) std::printf("%s%.6f", index ? ", " : "", losses[index]);
       std::printf("]}\n");
     }

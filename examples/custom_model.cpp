@@ -6,13 +6,12 @@
 // It trains 6 steps, saving a SHARDED checkpoint after step 3; then it builds the model again,
 // loads that checkpoint, takes steps 4 to 6 once more and checks that it gets the same losses,
 // bit for bit (the exit code says whether it did).
+#include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <string>
 #include <vector>
-
-#include <fsdp/fsdp.h>
 
 // A residual MLP block. Inside a unit, submodules are called as usual.
 struct BlockImpl : torch::nn::Module {
@@ -30,7 +29,8 @@ struct ModelImpl : torch::nn::Module {
   ModelImpl(int64_t inputs, int64_t width, int64_t depth, int64_t outputs)
       : embed(register_module("embed", torch::nn::Linear(inputs, width))),
         head(register_module("head", torch::nn::Linear(width, outputs))) {
-    for (int64_t index = 0; index < depth; ++index) blocks.push_back(register_module("blocks_" + std::to_string(index), Block(width)));
+    for (int64_t index = 0; index < depth; ++index)
+      blocks.push_back(register_module("blocks_" + std::to_string(index), Block(width)));
   }
   // A unit is called through fsdp::forward, which gathers its parameters for its forward and frees
   // them after; embed and head belong to the root unit, gathered when main calls fsdp::forward(model).
@@ -57,7 +57,8 @@ std::pair<Model, std::unique_ptr<torch::optim::AdamW>> build(const fsdp::Distrib
 
 // One step on this rank's rows of a global batch of 32 (the same on every rank for step s); returns
 // the loss of this rank's rows.
-double train_step(Model& model, torch::optim::Optimizer& optimizer, const fsdp::DistributedContext& context, int64_t step) {
+double train_step(Model& model, torch::optim::Optimizer& optimizer, const fsdp::DistributedContext& context,
+                  int64_t step) {
   torch::manual_seed(1000 + step);
   const auto inputs = torch::randn({32, 16});
   const auto targets = torch::sin(inputs.matmul(torch::ones({16, 8}) / 4));

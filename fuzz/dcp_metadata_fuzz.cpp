@@ -18,7 +18,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         for (size_t dim = 0; dim < tensor.size.size(); ++dim) {
           if (chunk.offsets[dim] + chunk.sizes[dim] > tensor.size[dim]) std::abort();
         }
-        if (chunk.storage.length >= 0 && (chunk.storage.offset < 0 || chunk.storage.relative_path.find('/') != std::string::npos)) {
+        if (chunk.storage.length >= 0 &&
+            (chunk.storage.offset < 0 || chunk.storage.relative_path.find('/') != std::string::npos)) {
           std::abort();
         }
       }

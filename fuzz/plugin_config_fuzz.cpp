@@ -9,12 +9,11 @@
 #include <fsdp/accelerate_config.h>
 #include <fsdp/plugin.h>
 
-#include <nlohmann/json.hpp>
-
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 

@@ -13,29 +13,28 @@
 namespace {
 
 const std::set<std::string>& allowed() {
-  static const std::set<std::string> names = {
-      fsdp::detail::kPersistentLoad,
-      "torch._utils._rebuild_tensor_v2",
-      "torch.ByteStorage",
-      "collections.OrderedDict",
-      "numpy._core.multiarray._reconstruct",
-      "numpy.ndarray",
-      "numpy.dtype",
-      "_codecs.encode",
-      "torch.distributed.checkpoint.metadata.Metadata",
-      "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
-      "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
-      "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
-      "torch.distributed.checkpoint.metadata.MetadataIndex",
-      "torch.distributed.checkpoint.metadata.TensorProperties",
-      "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
-      "torch.distributed.checkpoint.metadata.StorageMeta",
-      "torch.distributed.checkpoint.filesystem._StorageInfo",
-      "torch.Size",
-      "torch.serialization._get_layout",
-      "torch.strided",
-      "torch.float32",
-      "pathlib.PosixPath"};
+  static const std::set<std::string> names = {fsdp::detail::kPersistentLoad,
+                                              "torch._utils._rebuild_tensor_v2",
+                                              "torch.ByteStorage",
+                                              "collections.OrderedDict",
+                                              "numpy._core.multiarray._reconstruct",
+                                              "numpy.ndarray",
+                                              "numpy.dtype",
+                                              "_codecs.encode",
+                                              "torch.distributed.checkpoint.metadata.Metadata",
+                                              "torch.distributed.checkpoint.metadata.TensorStorageMetadata",
+                                              "torch.distributed.checkpoint.metadata.ChunkStorageMetadata",
+                                              "torch.distributed.checkpoint.metadata.BytesStorageMetadata",
+                                              "torch.distributed.checkpoint.metadata.MetadataIndex",
+                                              "torch.distributed.checkpoint.metadata.TensorProperties",
+                                              "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
+                                              "torch.distributed.checkpoint.metadata.StorageMeta",
+                                              "torch.distributed.checkpoint.filesystem._StorageInfo",
+                                              "torch.Size",
+                                              "torch.serialization._get_layout",
+                                              "torch.strided",
+                                              "torch.float32",
+                                              "pathlib.PosixPath"};
   return names;
 }
 

@@ -4,10 +4,10 @@
 // read back through SafetensorsReader, from a per-process file, and every tensor it returns must
 // have the header's shape and dtype; anything else (a crash, a sanitizer report, a hang, runaway
 // memory) is a bug.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fsdp/safetensors.h>
-
-#include <ATen/ATen.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -15,7 +15,6 @@
 #include <cstdlib>
 #include <set>
 #include <string>
-#include <unistd.h>
 
 namespace {
 

@@ -3,11 +3,11 @@
 // once each and whose rows read back with the listed shape and dtype, the same whole, in two pieces
 // and as raw bytes, or a c10::Error; anything else (a crash, a sanitizer report, a hang, runaway
 // memory) is a bug. The seeds in fuzz/corpus/sharded_metadata/ describe these rank files exactly.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
-
-#include <ATen/ATen.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -18,7 +18,6 @@
 #include <optional>
 #include <set>
 #include <string>
-#include <unistd.h>
 #include <vector>
 
 #include "dist/agreement.h"

@@ -1,18 +1,17 @@
 // Any bytes as a torch.save file, through load_torch_bytes (load_torch_file reads the whole file and
-// calls it) and through state_dict_with_sharded_tensors_from_bytes (FSDP1's LOCAL_STATE_DICT files): a value in which every tensor lies inside its storage and every storage's bytes can be
-// read, or a c10::Error; anything else (a crash, a sanitizer report, an exception of another type, a
-// hang, runaway memory) is a bug.
+// calls it) and through state_dict_with_sharded_tensors_from_bytes (FSDP1's LOCAL_STATE_DICT files): a value in which
+// every tensor lies inside its storage and every storage's bytes can be read, or a c10::Error; anything else (a crash,
+// a sanitizer report, an exception of another type, a hang, runaway memory) is a bug.
 //
 // Random bytes rarely get past the zip layer (miniz checks every record's CRC-32), so an input that
 // starts with 'S' is not an archive but its records, which this target archives the way
 // save_torch_file does before loading: after the 'S', a 4-byte little-endian length and that many
 // bytes of data.pkl, then any number of storages, each a 4-byte length and its bytes (data/0,
 // data/1, ...; a length past the end takes the rest). Any other input is loaded as it is.
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/inline_container.h>
 #include <fsdp/torch_file.h>
-
-#include <ATen/ATen.h>
 
 #include <algorithm>
 #include <cstddef>
@@ -137,7 +136,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
         check_tensor(shard.tensor);
         if (shard.offsets.size() != sharded.size.size() || shard.sizes.size() != sharded.size.size()) std::abort();
         for (size_t dim = 0; dim < sharded.size.size(); ++dim) {
-          if (shard.offsets[dim] < 0 || shard.sizes[dim] < 0 || shard.offsets[dim] + shard.sizes[dim] > sharded.size[dim]) {
+          if (shard.offsets[dim] < 0 || shard.sizes[dim] < 0 ||
+              shard.offsets[dim] + shard.sizes[dim] > sharded.size[dim]) {
             std::abort();
           }
         }

@@ -1,9 +1,7 @@
-#include <fsdp/version.h>
-
 #include <ATen/Parallel.h>
-#include <torch/version.h>
-
 #include <dlfcn.h>
+#include <fsdp/version.h>
+#include <torch/version.h>
 
 namespace fsdp {
 

@@ -2,17 +2,17 @@
 //
 // Exit codes: 0 success; 1 an error (message on stderr); 2 bad command-line usage; a launched
 // job's own exit code for `fsdp launch`.
-#include "cli/commands.h"
-
-#include <fsdp/version.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/version.h>
 
 #include <iostream>
 
+#include "cli/commands.h"
+
 int main(int argc, char** argv) {
-  CLI::App app{"fsdp.cpp " + fsdp::version() +
-               ": Fully Sharded Data Parallel training for libtorch.\nRun `fsdp COMMAND --help` for a command's flags."};
+  CLI::App app{
+      "fsdp.cpp " + fsdp::version() +
+      ": Fully Sharded Data Parallel training for libtorch.\nRun `fsdp COMMAND --help` for a command's flags."};
   app.require_subcommand(1);
   app.set_version_flag("--version", fsdp::version());
   // Everything after the first `--` belongs to the launched program, never to our parser.

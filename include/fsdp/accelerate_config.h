@@ -6,13 +6,13 @@
 // (DeepSpeed, Megatron-LM, TPU pods, dynamo) are errors rather than silently dropped.
 #pragma once
 
+#include <fsdp/distributed_environment.h>
+
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <fsdp/distributed_environment.h>
 
 namespace fsdp {
 
@@ -53,8 +53,9 @@ struct FsdpLaunchEnvironment {
 /// Merges the config file's fsdp_config with `flags` (fsdp_* key -> value; flags win), applies the
 /// launcher's defaults, and checks every value by resolving the plugin from the result; an invalid
 /// value's error names the YAML key and file or the flag.
-FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, const std::map<std::string, std::string>& flags,
-                                              bool use_fsdp_flag, const std::optional<std::string>& mixed_precision_flag);
+FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
+                                              const std::map<std::string, std::string>& flags, bool use_fsdp_flag,
+                                              const std::optional<std::string>& mixed_precision_flag);
 
 /// `accelerate to-fsdp2`: the version-2 YAML for a version-1 config file, and the warnings to show.
 struct Fsdp2Conversion {

@@ -5,19 +5,18 @@
 // switched to the sharded parameters, keeping its parameter groups and hyper-parameters.
 #pragma once
 
-#include <torch/nn/module.h>
-#include <torch/optim/optimizer.h>
-
-#include <memory>
-#include <optional>
-#include <string>
-
 #include <fsdp/async_checkpoint.h>
 #include <fsdp/checkpoint.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
 #include <fsdp/sharded_grad_scaler.h>
 #include <fsdp/state_dict.h>
+#include <torch/nn/module.h>
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <optional>
+#include <string>
 
 namespace fsdp {
 
@@ -104,6 +103,7 @@ class Accelerator {
     ~AccumulateScope();
     AccumulateScope(const AccumulateScope&) = delete;
     AccumulateScope& operator=(const AccumulateScope&) = delete;
+
    private:
     Accelerator& accelerator_;
   };

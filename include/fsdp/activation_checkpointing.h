@@ -54,9 +54,9 @@ bool inside_checkpointed_forward();
 /// `inputs` and backpropagates through the result. The outputs are `function`'s.
 /// `parameters_require_grad`: whether the module has trainable parameters (so its outputs must
 /// require grad even when no input does).
-std::vector<at::Tensor> run_checkpointed(const std::string& module_name, const std::vector<at::Tensor>& inputs,
-                                         std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> function,
-                                         bool parameters_require_grad);
+std::vector<at::Tensor> run_checkpointed(
+    const std::string& module_name, const std::vector<at::Tensor>& inputs,
+    std::function<std::vector<at::Tensor>(const std::vector<at::Tensor>&)> function, bool parameters_require_grad);
 
 template <typename T>
 void collect_tensor_argument(const T& value, std::vector<at::Tensor>& tensors) {
@@ -73,7 +73,8 @@ void replace_tensor_argument(T& value, const std::vector<at::Tensor>& replacemen
 template <typename Holder, typename... Args>
 auto call_forward(Holder& module, Args&&... args) {
   using Output = decltype(module->forward(std::forward<Args>(args)...));
-  if (!is_checkpointed(module.get()) || !c10::GradMode::is_enabled()) return module->forward(std::forward<Args>(args)...);
+  if (!is_checkpointed(module.get()) || !c10::GradMode::is_enabled())
+    return module->forward(std::forward<Args>(args)...);
   if constexpr (std::is_same_v<std::decay_t<Output>, at::Tensor>) {
     auto arguments = std::make_shared<std::tuple<std::decay_t<Args>...>>(std::forward<Args>(args)...);
     std::vector<at::Tensor> inputs;
@@ -83,10 +84,12 @@ auto call_forward(Holder& module, Args&&... args) {
       auto call_arguments = *arguments;
       size_t index = 0;
       std::apply([&](auto&... value) { (replace_tensor_argument(value, replacements, index), ...); }, call_arguments);
-      return std::vector<at::Tensor>{std::apply([&](auto&... value) { return holder->forward(value...); }, call_arguments)};
+      return std::vector<at::Tensor>{
+          std::apply([&](auto&... value) { return holder->forward(value...); }, call_arguments)};
     };
     bool parameters_require_grad = false;
-    for (const auto& parameter : module->parameters()) parameters_require_grad = parameters_require_grad || parameter.requires_grad();
+    for (const auto& parameter : module->parameters())
+      parameters_require_grad = parameters_require_grad || parameter.requires_grad();
     return Output(run_checkpointed(module->name(), inputs, std::move(function), parameters_require_grad).at(0));
   } else {
     TORCH_CHECK(false, "activation checkpointing of ", module->name(),

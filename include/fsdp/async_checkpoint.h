@@ -6,15 +6,14 @@
 // in finish(), on the training thread. Accelerator::save_state(..., {async = true}) uses it.
 #pragma once
 
+#include <fsdp/checkpoint.h>
+#include <fsdp/process_group.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <memory>
 #include <string>
-
-#include <fsdp/checkpoint.h>
-#include <fsdp/process_group.h>
 
 namespace fsdp {
 

@@ -22,7 +22,6 @@ namespace fsdp {
 using AutoWrapCallable =
     std::function<bool(const torch::nn::Module& module, const std::string& name, int64_t unwrapped_numel)>;
 
-
 /// Every descendant of `model` with its name, children before parents, `model` itself last under
 /// the name "" (Accelerate's get_module_children_bottom_up).
 std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> module_children_bottom_up(

@@ -16,6 +16,8 @@
 // reported instead of leaving the others waiting forever.
 #pragma once
 
+#include <fsdp/process_group.h>
+#include <fsdp/state_dict_options.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -23,9 +25,6 @@
 #include <map>
 #include <string>
 #include <vector>
-
-#include <fsdp/state_dict_options.h>
-#include <fsdp/process_group.h>
 
 namespace fsdp {
 

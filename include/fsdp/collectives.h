@@ -16,11 +16,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/process_group.h>
 
 #include <functional>
 #include <memory>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp {
 
@@ -40,10 +39,10 @@ struct CollectiveWorkState;
 }
 
 /// A collective in flight, used as FSDP2 uses a CUDA event: `wait()` blocks until the output is ready
-/// (on GPU buffers it makes the current stream wait instead, and the host goes on) and rethrows a failure of the collective
-/// with the group, the rank and the operation in the message; waiting twice is a no-op. `query()`
-/// asks without blocking whether the transport is done with the buffers, which is what decides when
-/// a buffer may be reused (Note [a block returns after its last use], src/memory/buffer_pool.h).
+/// (on GPU buffers it makes the current stream wait instead, and the host goes on) and rethrows a failure of the
+/// collective with the group, the rank and the operation in the message; waiting twice is a no-op. `query()` asks
+/// without blocking whether the transport is done with the buffers, which is what decides when a buffer may be reused
+/// (Note [a block returns after its last use], src/memory/buffer_pool.h).
 class CollectiveWork {
  public:
   CollectiveWork() = default;

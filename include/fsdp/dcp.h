@@ -2,10 +2,10 @@
 // what save_checkpoint writes as pytorch_model_fsdp_0/, for state dicts a program builds itself.
 #pragma once
 
-#include <string>
-
 #include <fsdp/process_group.h>
 #include <fsdp/state_dict.h>
+
+#include <string>
 
 namespace fsdp {
 

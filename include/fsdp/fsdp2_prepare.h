@@ -2,6 +2,11 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/auto_wrap.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/plugin.h>
+#include <fsdp/process_group.h>
+#include <fsdp/state_dict.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -9,12 +14,6 @@
 #include <optional>
 #include <string>
 #include <unordered_map>
-
-#include <fsdp/auto_wrap.h>
-#include <fsdp/fully_shard.h>
-#include <fsdp/plugin.h>
-#include <fsdp/process_group.h>
-#include <fsdp/state_dict.h>
 
 namespace fsdp {
 

@@ -24,22 +24,21 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/activation_checkpointing.h>
+#include <fsdp/fully_shard_options.h>
+#include <fsdp/process_group.h>
+#include <fsdp/shard_layout.h>
+#include <fsdp/sharding_options.h>
 #include <torch/nn/module.h>
 
-#include <memory>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
-
-#include <fsdp/activation_checkpointing.h>
-#include <fsdp/fully_shard_options.h>
-#include <fsdp/process_group.h>
-#include <fsdp/shard_layout.h>
-#include <fsdp/sharding_options.h>
 
 namespace fsdp {
 

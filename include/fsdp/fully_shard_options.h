@@ -3,14 +3,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/sharding_options.h>
 #include <torch/nn/module.h>
 
 #include <cstdint>
 #include <functional>
 #include <optional>
 #include <vector>
-
-#include <fsdp/sharding_options.h>
 
 namespace fsdp {
 

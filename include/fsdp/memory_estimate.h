@@ -25,7 +25,6 @@
 #pragma once
 
 #include <fsdp/sharding_options.h>
-
 #include <torch/nn/module.h>
 
 #include <cstdint>
@@ -112,18 +111,18 @@ struct MemoryEstimate {
   int64_t units = 0;       ///< fully_shard units, the root included
   int64_t shard_group_size = 1;
   int64_t replicate_group_size = 1;
-  int64_t parameter_bytes = 0;  ///< the rank's (padded) parameter shards
-  int64_t gradient_bytes = 0;   ///< their gradients
-  int64_t optimizer_bytes = 0;  ///< the optimizer's state
-  int64_t largest_unit_bytes = 0;                    ///< the largest unit, unsharded, in the compute dtype
-  int64_t kept_unit_bytes = 0;  ///< the units that stay unsharded after forward (root, tail), unsharded
+  int64_t parameter_bytes = 0;     ///< the rank's (padded) parameter shards
+  int64_t gradient_bytes = 0;      ///< their gradients
+  int64_t optimizer_bytes = 0;     ///< the optimizer's state
+  int64_t largest_unit_bytes = 0;  ///< the largest unit, unsharded, in the compute dtype
+  int64_t kept_unit_bytes = 0;     ///< the units that stay unsharded after forward (root, tail), unsharded
   int64_t unsharded_peak_bytes_without_prefetch = 0;  ///< unsharded parameters held at once, no prefetch
   int64_t unsharded_peak_bytes_with_prefetch = 0;     ///< the same with one unit prefetched
-  int64_t unsharded_gradient_bytes = 0;  ///< one unit's unsharded gradients and reduce-scatter input
-  int64_t bytes_sent_per_step = 0;              ///< what the rank sends per step
-  int64_t bytes_sent_off_machine_per_step = 0;  ///< of which to other machines (direct exchange)
-  int64_t sharded_checkpoint_bytes = 0;  ///< SHARDED_STATE_DICT: model and optimizer, this rank's file(s)
-  int64_t full_checkpoint_bytes = 0;     ///< FULL_STATE_DICT: model and optimizer, written by rank 0
+  int64_t unsharded_gradient_bytes = 0;               ///< one unit's unsharded gradients and reduce-scatter input
+  int64_t bytes_sent_per_step = 0;                    ///< what the rank sends per step
+  int64_t bytes_sent_off_machine_per_step = 0;        ///< of which to other machines (direct exchange)
+  int64_t sharded_checkpoint_bytes = 0;               ///< SHARDED_STATE_DICT: model and optimizer, this rank's file(s)
+  int64_t full_checkpoint_bytes = 0;                  ///< FULL_STATE_DICT: model and optimizer, written by rank 0
 
   int64_t model_state_bytes() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
   /// Model state plus the unsharded parameters and gradients of the step (prefetch as chosen).

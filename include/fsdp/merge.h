@@ -3,19 +3,19 @@
 //
 // The input is a sharded directory written by save_checkpoint (`pytorch_model_fsdp_0/`, or
 // `optimizer_0/`), or a PyTorch distributed checkpoint (DCP) model directory as Accelerate saves
-// it under FSDP2, merged as accelerate.utils.merge_fsdp_weights merges it. Tensors are read chunk by chunk from the rank files and written straight into the
-// output, so memory stays bounded by a 64 MB read buffer for safetensors output (the largest single
-// tensor for torch .bin output), whatever the model's size. Every output file is written into a
-// temporary directory beside the output and moved into place only when all are complete; the input
-// is removed (when asked) only after that.
+// it under FSDP2, merged as accelerate.utils.merge_fsdp_weights merges it. Tensors are read chunk by chunk from the
+// rank files and written straight into the output, so memory stays bounded by a 64 MB read buffer for safetensors
+// output (the largest single tensor for torch .bin output), whatever the model's size. Every output file is written
+// into a temporary directory beside the output and moved into place only when all are complete; the input is removed
+// (when asked) only after that.
 #pragma once
+
+#include <fsdp/process_group.h>
 
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp {
 

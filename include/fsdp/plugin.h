@@ -17,6 +17,10 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <fsdp/auto_wrap.h>
+#include <fsdp/distributed_environment.h>
+#include <fsdp/sharding_options.h>
+#include <fsdp/state_dict_options.h>
 
 #include <cstdint>
 #include <functional>
@@ -26,11 +30,6 @@
 #include <string>
 #include <variant>
 #include <vector>
-
-#include <fsdp/auto_wrap.h>
-#include <fsdp/distributed_environment.h>
-#include <fsdp/sharding_options.h>
-#include <fsdp/state_dict_options.h>
 
 namespace torch::nn {
 class Module;

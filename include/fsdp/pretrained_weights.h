@@ -2,14 +2,14 @@
 // model.safetensors.index.json with its shard files (transformers' save_pretrained layout).
 #pragma once
 
+#include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
+
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
-#include <fsdp/safetensors.h>
-#include <fsdp/state_dict.h>
 
 namespace fsdp {
 

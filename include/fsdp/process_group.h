@@ -11,13 +11,13 @@
 // them from one thread.
 #pragma once
 
+#include <fsdp/distributed_environment.h>
+
 #include <chrono>
 #include <cstdint>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <fsdp/distributed_environment.h>
 
 namespace fsdp {
 

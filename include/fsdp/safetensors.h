@@ -25,7 +25,6 @@ namespace detail {
 class ReadOnlyFile;  // src/io/read_only_file.h (private)
 }  // namespace detail
 
-
 /// "F32", "BF16", ... for a libtorch dtype. Throws for dtypes safetensors has no name for.
 std::string safetensors_dtype_name(c10::ScalarType dtype);
 /// The libtorch dtype of a safetensors dtype name. The sub-byte names (F4, F6_*) throw, naming the
@@ -103,9 +102,9 @@ using ByteWriter = std::function<void(const void* data, size_t size)>;
 /// Writes a safetensors file atomically without holding its tensors: `write_data(entry, writer)` is
 /// called once per tensor, in file order, and must write exactly that tensor's bytes (row-major,
 /// little-endian). "format": "pt" is added to `metadata`.
-void write_safetensors_streaming(const std::string& path, const std::vector<SafetensorsEntry>& entries,
-                                 std::map<std::string, std::string> metadata,
-                                 const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer)>& write_data);
+void write_safetensors_streaming(
+    const std::string& path, const std::vector<SafetensorsEntry>& entries, std::map<std::string, std::string> metadata,
+    const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer)>& write_data);
 
 /// Bytes of a tensor of `dtype` and `shape` (an error for dtypes that do not fill whole bytes).
 int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_t>& shape);

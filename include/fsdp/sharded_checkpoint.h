@@ -4,14 +4,14 @@
 // format is specified in docs/checkpoint-format.md.
 #pragma once
 
+#include <fsdp/process_group.h>
+#include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
+
 #include <map>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
-#include <fsdp/safetensors.h>
-#include <fsdp/state_dict.h>
 
 namespace fsdp {
 

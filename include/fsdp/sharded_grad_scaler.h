@@ -11,14 +11,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/process_group.h>
 #include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <map>
 #include <optional>
 #include <string>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp {
 

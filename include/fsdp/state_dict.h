@@ -8,6 +8,9 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/meta_device.h>  // release_parameter_storage, the form a rank-0 load fills
+#include <fsdp/process_group.h>
+#include <fsdp/state_dict_options.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -15,10 +18,6 @@
 #include <string>
 #include <utility>
 #include <vector>
-
-#include <fsdp/meta_device.h>  // release_parameter_storage, the form a rank-0 load fills
-#include <fsdp/state_dict_options.h>
-#include <fsdp/process_group.h>
 
 namespace fsdp {
 

@@ -1,16 +1,5 @@
-#include <fsdp/accelerator.h>
-
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-
-#include <algorithm>
-#include <filesystem>
-#include <iostream>
-#include <map>
-#include <sstream>
-#include <unordered_map>
-#include <unordered_set>
-
+#include <fsdp/accelerator.h>
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
 #include <fsdp/device.h>
@@ -21,10 +10,19 @@
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 
-#include "dist/agreement.h"
-#include "dist/control_channel.h"
+#include <algorithm>
+#include <filesystem>
+#include <iostream>
+#include <map>
+#include <nlohmann/json.hpp>
+#include <sstream>
+#include <unordered_map>
+#include <unordered_set>
+
 #include "checkpoint/hf_shards.h"
 #include "config/text.h"
+#include "dist/agreement.h"
+#include "dist/control_channel.h"
 #include "io/atomic_file.h"
 
 namespace fsdp {
@@ -85,8 +83,9 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   for (auto& group : optimizer.param_groups()) {
     for (auto& parameter : group.params()) {
       // A one-element view of the old address that owns nothing; it is only ever compared.
-      parameter = at::from_blob(address_of(parameter), {1}, [](void*) {},
-                                at::TensorOptions().dtype(parameter.scalar_type()).requires_grad(false));
+      parameter = at::from_blob(
+          address_of(parameter), {1}, [](void*) {},
+          at::TensorOptions().dtype(parameter.scalar_type()).requires_grad(false));
     }
   }
   fsdp2_prepare_model(*this, model);
@@ -169,9 +168,10 @@ void Accelerator::save_state(const std::string& directory, const TrainingProgres
                              const SaveStateOptions& options) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::save_state: prepare(model, optimizer) first");
   if (scaler_) {
-    TORCH_WARN_ONCE("Accelerator::save_state: the fp16 gradient scaler's state (Accelerate's scaler.pt) is not saved "
-                    "yet; a run resumed from this checkpoint starts again from the initial scale ",
-                    scaler_->options().init_scale);
+    TORCH_WARN_ONCE(
+        "Accelerator::save_state: the fp16 gradient scaler's state (Accelerate's scaler.pt) is not saved "
+        "yet; a run resumed from this checkpoint starts again from the initial scale ",
+        scaler_->options().init_scale);
   }
   const auto checkpoint_options = checkpoint_options_from_plugin(plugin_);
   if (!options.async) {
@@ -181,7 +181,8 @@ void Accelerator::save_state(const std::string& directory, const TrainingProgres
   }
   TORCH_CHECK(checkpoint_options.state_dict_type == StateDictType::kShardedStateDict,
               "Accelerator::save_state: an asynchronous save writes SHARDED_STATE_DICT checkpoints only, but the "
-              "plugin's state_dict_type is ", to_string(checkpoint_options.state_dict_type),
+              "plugin's state_dict_type is ",
+              to_string(checkpoint_options.state_dict_type),
               ". Set FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT (or the plugin's state_dict_type), or save without async");
   if (!async_checkpointer_) async_checkpointer_ = std::make_unique<AsyncCheckpointer>();
   auto& writer = *async_checkpointer_;
@@ -298,8 +299,8 @@ at::Tensor Accelerator::gather(const at::Tensor& tensor) const {
 }
 
 at::Tensor Accelerator::reduce(const at::Tensor& tensor, const std::string& reduction) const {
-  TORCH_CHECK(reduction == "sum" || reduction == "mean", "Accelerator::reduce: reduction must be 'sum' or 'mean', got '",
-              reduction, "'");
+  TORCH_CHECK(reduction == "sum" || reduction == "mean",
+              "Accelerator::reduce: reduction must be 'sum' or 'mean', got '", reduction, "'");
   // Accelerate raises here too, with torch's "result type Float can't be cast to the desired output type Long".
   TORCH_CHECK(reduction == "sum" || at::isFloatingType(tensor.scalar_type()) || at::isComplexType(tensor.scalar_type()),
               "Accelerator::reduce: the mean of an integer tensor (", tensor.scalar_type(),
@@ -408,8 +409,8 @@ std::optional<TrainingProgress> Accelerator::resume_after_restart() {
   // Rank 0's answer for every rank: a checkpoint one rank saw complete and another not yet would
   // otherwise split the job between two starting steps.
   const auto directory = detail::broadcast_string(context_, is_main_process() ? latest_checkpoint() : "", 0);
-  const auto round = "restart " + std::to_string(restart) + " of " +
-                     std::to_string(context_.environment().max_restarts) + ": ";
+  const auto round =
+      "restart " + std::to_string(restart) + " of " + std::to_string(context_.environment().max_restarts) + ": ";
   if (directory.empty()) {
     print(round + "no complete checkpoint in " + (fs::path(project_dir_) / "checkpoints").string() +
           "; starting from step 0");

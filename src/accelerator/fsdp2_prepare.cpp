@@ -1,17 +1,15 @@
-#include <fsdp/fsdp2_prepare.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/activation_checkpointing.h>
+#include <fsdp/auto_wrap.h>
+#include <fsdp/fsdp2_prepare.h>
+#include <fsdp/meta_device.h>
+#include <fsdp/pretrained_model.h>
+#include <fsdp/state_dict.h>
 
 #include <regex>
 #include <sstream>
 #include <unordered_map>
 #include <unordered_set>
-
-#include <fsdp/activation_checkpointing.h>
-#include <fsdp/auto_wrap.h>
-#include <fsdp/meta_device.h>
-#include <fsdp/pretrained_model.h>
-#include <fsdp/state_dict.h>
 
 namespace fsdp {
 namespace {
@@ -42,7 +40,8 @@ std::shared_ptr<torch::nn::Module> find_final_norm(const std::shared_ptr<torch::
   return final_norm;
 }
 
-std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const std::shared_ptr<torch::nn::Module>& model) {
+std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored,
+                                           const std::shared_ptr<torch::nn::Module>& model) {
   std::vector<at::Tensor> parameters;
   auto add_module = [&](const torch::nn::Module& module) {
     for (const auto& parameter : module.parameters(/*recurse=*/true)) parameters.push_back(parameter);
@@ -52,8 +51,8 @@ std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const 
     try {
       pattern = std::regex(*ignored.name_regex);
     } catch (const std::regex_error& error) {
-      TORCH_CHECK(false, "ignored_modules: '", *ignored.name_regex, "' is not a valid regular expression (", error.what(),
-                  ")");
+      TORCH_CHECK(false, "ignored_modules: '", *ignored.name_regex, "' is not a valid regular expression (",
+                  error.what(), ")");
     }
     for (const auto& item : model->named_modules()) {
       if (std::regex_match(item.key(), pattern)) add_module(*item.value());
@@ -73,8 +72,10 @@ std::vector<at::Tensor> ignored_parameters(const IgnoredModules& ignored, const 
 void fsdp2_apply_activation_checkpointing(const FullyShardedDataParallelPlugin& plugin,
                                           const std::shared_ptr<torch::nn::Module>& model) {
   auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model);
-  TORCH_CHECK(policy, "fsdp2_prepare_model: activation_checkpointing=true checkpoints the children of the modules "
-              "the auto-wrap policy selects, but auto_wrap_policy is ", to_string(plugin.auto_wrap_policy),
+  TORCH_CHECK(policy,
+              "fsdp2_prepare_model: activation_checkpointing=true checkpoints the children of the modules "
+              "the auto-wrap policy selects, but auto_wrap_policy is ",
+              to_string(plugin.auto_wrap_policy),
               ". Set fsdp_auto_wrap_policy to TRANSFORMER_BASED_WRAP (or SIZE_BASED_WRAP), or mark modules yourself "
               "with fsdp::checkpoint_module (Accelerate fails here with a TypeError, its issue #3822)");
   if (plugin.fsdp_version == 1) {
@@ -124,7 +125,8 @@ std::optional<AutoWrapCallable> fsdp2_prepare_auto_wrap_policy(const FullySharde
       } else if (auto* pretrained = dynamic_cast<PretrainedModel*>(model.get())) {
         names = pretrained->no_split_modules();
       }
-      if (names.empty()) return AutoWrapCallable([](const torch::nn::Module&, const std::string&, int64_t) { return false; });
+      if (names.empty())
+        return AutoWrapCallable([](const torch::nn::Module&, const std::string&, int64_t) { return false; });
       return transformer_auto_wrap_policy(names, model);
     }
   }
@@ -177,7 +179,8 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataPar
   if (mixed_precision != "no") {
     at::NoGradGuard no_grad;
     for (auto& parameter : model->parameters()) {
-      if (parameter.requires_grad() && parameter.scalar_type() != at::kFloat) parameter.set_data(parameter.to(at::kFloat));
+      if (parameter.requires_grad() && parameter.scalar_type() != at::kFloat)
+        parameter.set_data(parameter.to(at::kFloat));
     }
   }
 
@@ -194,7 +197,8 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataPar
     if (context.rank() == 0) {
       std::unordered_set<const c10::TensorImpl*> seen;
       for (const auto& item : model->named_parameters()) {
-        if (seen.insert(item.value().unsafeGetTensorImpl()).second) original_state.emplace_back(item.key(), item.value().detach());
+        if (seen.insert(item.value().unsafeGetTensorImpl()).second)
+          original_state.emplace_back(item.key(), item.value().detach());
       }
       for (const auto& item : model->named_buffers()) original_state.emplace_back(item.key(), item.value().detach());
     } else {
@@ -237,7 +241,8 @@ void shard_embeddings_and_tail(const std::shared_ptr<torch::nn::Module>& model, 
                                const DistributedContext& context, const FullyShardOptions& options) {
   auto input_embed = pretrained ? pretrained->input_embeddings() : nullptr;
   auto output_embed = pretrained ? pretrained->output_embeddings() : nullptr;
-  const bool tied = input_embed && output_embed && weight_of(input_embed) && weight_of(input_embed) == weight_of(output_embed);
+  const bool tied =
+      input_embed && output_embed && weight_of(input_embed) && weight_of(input_embed) == weight_of(output_embed);
   if (!tied && input_embed && !is_fsdp_module(*input_embed)) fully_shard(input_embed, context, options);
   auto final_norm = find_final_norm(model, pretrained);
   auto tail_embed = tied ? input_embed : output_embed;
@@ -263,7 +268,8 @@ void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
       auto found = mapping.find(parameters[index].data_ptr());
       TORCH_CHECK(found != mapping.end(),
                   "A parameter in the optimizer couldn't be switched to its sharded version (param group ", group_index,
-                  ", parameter ", index, "). This breaks the training: every optimizer parameter must be a parameter "
+                  ", parameter ", index,
+                  "). This breaks the training: every optimizer parameter must be a parameter "
                   "of the prepared model. Build the optimizer from model->parameters()");
       parameters[index] = found->second;
     }

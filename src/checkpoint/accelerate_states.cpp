@@ -49,9 +49,11 @@ AccelerateRandomStates read_accelerate_random_states(const std::string& path) {
   } catch (const c10::Error& failure) {
     TORCH_CHECK(false, "'", path, "' is not a torch.save archive: ", failure.what_without_backtrace());
   }
-  const auto document = restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size, accelerate_state_globals(), path);
+  const auto document =
+      restricted_unpickle(static_cast<const uint8_t*>(pickle.get()), pickle_size, accelerate_state_globals(), path);
   const auto& root = *document.root;
-  TORCH_CHECK(root.kind == Kind::kDict, "'", path, "' holds a ", root.describe(), ", expected Accelerate's dict of states");
+  TORCH_CHECK(root.kind == Kind::kDict, "'", path, "' holds a ", root.describe(),
+              ", expected Accelerate's dict of states");
   AccelerateRandomStates states;
   for (size_t index = 0; index + 1 < root.items.size(); index += 2) {
     const auto& key_value = *root.items[index];
@@ -75,25 +77,27 @@ AccelerateRandomStates read_accelerate_random_states(const std::string& path) {
                       storage->arguments->items.size() == 1 && storage->arguments->items[0]->kind == Kind::kTuple,
                   where, " has no storage reference");
       const auto& reference = storage->arguments->items[0]->items;
-      TORCH_CHECK(reference.size() == 5 && reference[1]->kind == Kind::kGlobal && reference[1]->text == "torch.ByteStorage" &&
-                      reference[2]->kind == Kind::kString && reference[4]->kind == Kind::kInt,
+      TORCH_CHECK(reference.size() == 5 && reference[1]->kind == Kind::kGlobal &&
+                      reference[1]->text == "torch.ByteStorage" && reference[2]->kind == Kind::kString &&
+                      reference[4]->kind == Kind::kInt,
                   where, " is not a uint8 tensor (torch.get_rng_state())");
       const int64_t numel = reference[4]->integer;
       const auto* offset = arguments[1];
       const auto* size = arguments[2];
-      TORCH_CHECK(offset->kind == Kind::kInt && offset->integer == 0 && size->kind == Kind::kTuple && size->items.size() == 1 &&
-                      size->items[0]->kind == Kind::kInt && size->items[0]->integer == numel && numel > 0 &&
-                      static_cast<uint64_t>(numel) <= kMaxFileBytes,
+      TORCH_CHECK(offset->kind == Kind::kInt && offset->integer == 0 && size->kind == Kind::kTuple &&
+                      size->items.size() == 1 && size->items[0]->kind == Kind::kInt &&
+                      size->items[0]->integer == numel && numel > 0 && static_cast<uint64_t>(numel) <= kMaxFileBytes,
                   where, " is not a whole one-dimensional tensor of its storage");
       at::DataPtr data;
       size_t data_size = 0;
       try {
         std::tie(data, data_size) = archive->getRecord("data/" + reference[2]->text);
       } catch (const c10::Error& failure) {
-        TORCH_CHECK(false, where, ": its storage record 'data/", reference[2]->text, "' cannot be read: ",
-                    failure.what_without_backtrace());
+        TORCH_CHECK(false, where, ": its storage record 'data/", reference[2]->text,
+                    "' cannot be read: ", failure.what_without_backtrace());
       }
-      TORCH_CHECK(static_cast<int64_t>(data_size) == numel, where, ": its storage holds ", data_size, " bytes, not ", numel);
+      TORCH_CHECK(static_cast<int64_t>(data_size) == numel, where, ": its storage holds ", data_size, " bytes, not ",
+                  numel);
       states.torch_cpu_state = at::empty({numel}, at::kByte);
       std::memcpy(states.torch_cpu_state.data_ptr(), data.get(), data_size);
     } else {

@@ -16,22 +16,19 @@
 // this rank does not write (another rank's replica, a replicated tensor off rank 0) are not copied.
 // Differs from PyTorch's dcp.async_save, which finishes in the background on a process group of its
 // own: here the metadata waits for the training thread's next poll, one step at most.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fsdp/async_checkpoint.h>
-
+#include <fsdp/collectives.h>
 #include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
-
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
 
 #include <array>
 #include <atomic>
 #include <chrono>
 #include <optional>
 #include <thread>
-
-#include <fsdp/collectives.h>
 
 #include "checkpoint/sharded_save.h"
 #include "dist/agreement.h"
@@ -42,7 +39,7 @@ namespace detail {
 
 struct AsyncSaveState {
   std::vector<at::Tensor> staging;  // kept between saves, reused when the shapes stay
-  std::optional<ShardedSave> save;   // the save in flight
+  std::optional<ShardedSave> save;  // the save in flight
   std::thread writer;
   std::atomic<bool> written{false};
   std::array<std::string, 2> reports;
@@ -62,7 +59,9 @@ namespace {
 constexpr int kWriterNice = 10;
 
 // Whether this rank writes the entry (save_checkpoint's writer skips the others).
-bool written_here(const ShardedTensor& tensor, int64_t rank) { return !(tensor.replicated && rank != 0) && !tensor.duplicate; }
+bool written_here(const ShardedTensor& tensor, int64_t rank) {
+  return !(tensor.replicated && rank != 0) && !tensor.duplicate;
+}
 
 // Points each entry this rank writes at its copy in `staging`; the others at an empty tensor of their
 // dtype (finish needs only their shapes and dtypes, which the entry keeps).
@@ -93,7 +92,8 @@ AsyncCheckpointer::~AsyncCheckpointer() {
   if (!state_) return;
   state_->join();
   if (state_->save) {
-    TORCH_WARN("the asynchronous checkpoint '", state_->directory, "' was not finished (no AsyncCheckpointer::finish "
+    TORCH_WARN("the asynchronous checkpoint '", state_->directory,
+               "' was not finished (no AsyncCheckpointer::finish "
                "after its files were written), so it has no completion marker and does not count; the latest complete "
                "checkpoint is the one before it. Call finish(context, true) (Accelerator::finish_checkpoint()) before "
                "the program ends");
@@ -131,8 +131,9 @@ bool AsyncCheckpointer::finish(const DistributedContext& context, bool wait) {
   return true;
 }
 
-void AsyncCheckpointer::start(const std::string& directory, torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                              const DistributedContext& context, const TrainingProgress& progress) {
+void AsyncCheckpointer::start(const std::string& directory, torch::nn::Module& model,
+                              torch::optim::Optimizer& optimizer, const DistributedContext& context,
+                              const TrainingProgress& progress) {
   auto& state = *state_;
   state.waited_seconds = 0;
   if (state.save && !finish(context, false)) {

@@ -1,15 +1,6 @@
-#include <fsdp/checkpoint.h>
-
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <nlohmann/json.hpp>
-
-#include <filesystem>
-#include <functional>
-#include <optional>
-#include <cmath>
-#include <sstream>
-
+#include <fsdp/checkpoint.h>
 #include <fsdp/collectives.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
@@ -17,16 +8,23 @@
 #include <fsdp/torch_file.h>
 #include <fsdp/version.h>
 
-#include "checkpoint/fsdp1_local_files.h"
-#include "checkpoint/state_dict_views.h"
+#include <cmath>
+#include <filesystem>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <sstream>
+
 #include "checkpoint/accelerate_states.h"
-#include "dist/agreement.h"
-#include "dist/control_channel.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/dcp_writer.h"
+#include "checkpoint/fsdp1_local_files.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/save_identity.h"
 #include "checkpoint/sharded_save.h"
+#include "checkpoint/state_dict_views.h"
+#include "dist/agreement.h"
+#include "dist/control_channel.h"
 #include "io/atomic_file.h"
 #include "io/read_only_file.h"
 
@@ -49,7 +47,9 @@ constexpr const char* kRankKey = "fsdp_cpp_rank";
 std::string local_model_file(int64_t rank) { return "pytorch_model_fsdp_rank" + std::to_string(rank) + ".bin"; }
 std::string random_states_file(int64_t rank) { return "random_states_" + std::to_string(rank) + ".pkl"; }
 
-std::string path_in(const std::string& directory, const std::string& name) { return (fs::path(directory) / name).string(); }
+std::string path_in(const std::string& directory, const std::string& name) {
+  return (fs::path(directory) / name).string();
+}
 
 using detail::message_of;
 
@@ -91,8 +91,8 @@ void save_progress(const std::string& directory, const DistributedContext& conte
   save_torch_file(path_in(directory, kDataPosition), data);
 }
 
-TrainingProgress load_progress(const std::string& directory, const DistributedContext& context, int64_t saved_world_size,
-                               int64_t marker_step, const std::string& save_id) {
+TrainingProgress load_progress(const std::string& directory, const DistributedContext& context,
+                               int64_t saved_world_size, int64_t marker_step, const std::string& save_id) {
   TrainingProgress progress;
   progress.step = marker_step;
   const auto scheduler = load_torch_file(path_in(directory, kScheduler));
@@ -118,11 +118,12 @@ TrainingProgress load_progress(const std::string& directory, const DistributedCo
       const auto rank = dict.contains(kRankKey) ? dict.at(kRankKey) : c10::IValue();
       TORCH_CHECK(recorded.isString() && recorded.toStringRef() == save_id, "'", path, "' belongs to save ",
                   recorded.isString() ? recorded.toStringRef() : recorded.tagKind(), ", but the marker records save ",
-                  save_id, ": the file was copied from another checkpoint. Put back the files of one save, or load an "
+                  save_id,
+                  ": the file was copied from another checkpoint. Put back the files of one save, or load an "
                   "earlier checkpoint");
       TORCH_CHECK(rank.isInt() && rank.toInt() == context.rank(), "'", path, "' holds the generator of rank ",
-                  rank.isInt() ? std::to_string(rank.toInt()) : rank.tagKind(),
-                  ", not ", context.rank(), ": random-state files were swapped or renamed. Give each its own name back");
+                  rank.isInt() ? std::to_string(rank.toInt()) : rank.tagKind(), ", not ", context.rank(),
+                  ": random-state files were swapped or renamed. Give each its own name back");
     }
     auto generator = at::detail::getDefaultCPUGenerator();
     std::lock_guard<std::mutex> lock(generator.mutex());
@@ -149,18 +150,21 @@ void check_directory_of_save(const TensorSource& source, const std::string& name
   const auto save_id = marker["save_id"].get<std::string>();
   const auto* dcp = dynamic_cast<const detail::DcpDirectoryReader*>(&source);
   TORCH_CHECK(dcp, source.description(), " is in the rank-file format, but '", marker_path, "' records DCP save ",
-              save_id, ": the directory was replaced by one from an older checkpoint. Put back the files of one save, "
+              save_id,
+              ": the directory was replaced by one from an older checkpoint. Put back the files of one save, "
               "or load an earlier checkpoint");
   TORCH_CHECK(dcp->save_id() == save_id, source.description(), " belongs to save ",
               dcp->save_id().empty() ? std::string("(none recorded)") : dcp->save_id(), ", but '", marker_path,
-              "' records save ", save_id, ": the directory was copied from another checkpoint. Put back the files of "
+              "' records save ", save_id,
+              ": the directory was copied from another checkpoint. Put back the files of "
               "one save, or load an earlier checkpoint");
   if (marker.contains("entries") && marker["entries"].is_object() && marker["entries"].contains(name) &&
       marker["entries"][name].is_number_integer()) {
     const auto expected = marker["entries"][name].get<int64_t>();
     const auto found = static_cast<int64_t>(dcp->metadata().keys.size());
-    TORCH_CHECK(found == expected, source.description(), " lists ", found, " entries in its .metadata, but the save wrote ",
-                expected, " (recorded in '", marker_path, "'): the .metadata is damaged. Load an earlier checkpoint");
+    TORCH_CHECK(found == expected, source.description(), " lists ", found,
+                " entries in its .metadata, but the save wrote ", expected, " (recorded in '", marker_path,
+                "'): the .metadata is damaged. Load an earlier checkpoint");
   }
 }
 
@@ -182,7 +186,8 @@ void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optim
   const auto extra = nlohmann::json::parse(reader.extra_json());
   TORCH_CHECK(extra.contains("optimizer") && extra.contains("param_groups"), reader.description(),
               " does not hold optimizer state (no optimizer and param_groups in its metadata)");
-  load_optimizer_state_dict(model, optimizer, extra["optimizer"].get<std::string>(), extra["param_groups"].dump(), reader);
+  load_optimizer_state_dict(model, optimizer, extra["optimizer"].get<std::string>(), extra["param_groups"].dump(),
+                            reader);
 }
 
 // Accelerate's save_state (FSDP2, SHARDED_STATE_DICT) writes no marker of ours. Its checkpoint is
@@ -197,7 +202,6 @@ bool random_states_from_accelerate(const std::string& directory) {
     return false;
   }
 }
-
 
 // optimizer.bin: fsdp.cpp's names its optimizer class; PyTorch's (Accelerate's FULL_STATE_DICT) does
 // not, and its parameter groups tell (the same reading as its DCP optimizer directories).
@@ -255,7 +259,8 @@ AccelerateLayout accelerate_layout(const std::string& directory) {
 int64_t count_random_states(const std::string& directory) {
   int64_t count = 0;
   std::error_code error;
-  while (count < (int64_t{1} << 20) && fs::is_regular_file(path_in(directory, random_states_file(count)), error)) ++count;
+  while (count < (int64_t{1} << 20) && fs::is_regular_file(path_in(directory, random_states_file(count)), error))
+    ++count;
   return count;
 }
 
@@ -293,11 +298,13 @@ TrainingProgress load_accelerate_progress(const std::string& directory, const Di
     } else {
       not_restored.push_back(random_states_file(context.rank()) + " holds no torch_manual_seed");
     }
-    for (const auto& entry : states.not_restored) not_restored.push_back(random_states_file(context.rank()) + ": " + entry);
+    for (const auto& entry : states.not_restored)
+      not_restored.push_back(random_states_file(context.rank()) + ": " + entry);
   }
   const std::vector<std::pair<std::string, std::string>> others = {
-      {kScheduler, "a PyTorch LR scheduler's state; fsdp.cpp has none of PyTorch's schedulers, so set the learning "
-                   "rate of the resumed step yourself"},
+      {kScheduler,
+       "a PyTorch LR scheduler's state; fsdp.cpp has none of PyTorch's schedulers, so set the learning "
+       "rate of the resumed step yourself"},
       {"sampler.bin", "a data sampler's state"},
       {kDataPosition, "a stateful data loader's position"},
       {"scaler.pt", "a gradient scaler's state"}};
@@ -306,7 +313,8 @@ TrainingProgress load_accelerate_progress(const std::string& directory, const Di
   }
   for (const auto& item : fs::directory_iterator(directory)) {
     const auto name = item.path().filename().string();
-    if (name.rfind("custom_checkpoint_", 0) == 0) not_restored.push_back(name + " (an object registered for checkpointing)");
+    if (name.rfind("custom_checkpoint_", 0) == 0)
+      not_restored.push_back(name + " (an object registered for checkpointing)");
   }
   progress.not_restored = not_restored;
   if (context.rank() == 0 && !not_restored.empty()) {
@@ -430,9 +438,11 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
     });
   } else {
     const auto state = local_model_state_dict(model);
-    on_every_rank(context, [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
-    entries[kShardedOptimizer] = write_sharded_optimizer(
-        path_in(directory, kShardedOptimizer), detail::sharded_optimizer_state_dict_views(model, optimizer), context, save_id);
+    on_every_rank(context,
+                  [&] { save_torch_file(path_in(directory, local_model_file(context.rank())), tensor_dict(state)); });
+    entries[kShardedOptimizer] =
+        write_sharded_optimizer(path_in(directory, kShardedOptimizer),
+                                detail::sharded_optimizer_state_dict_views(model, optimizer), context, save_id);
   }
   on_every_rank(context, [&] { save_progress(directory, context, progress, save_id); });
   write_marker(directory, context, options.state_dict_type, progress.step, save_id, entries, model_file);
@@ -514,8 +524,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       TORCH_CHECK(fs::exists(marker_path) || !random_states_from_accelerate(directory), "checkpoint directory '",
                   directory, "' was written by Accelerate (its ", random_states_file(0),
                   " holds NumPy's generator), but not as a complete SHARDED_STATE_DICT, FULL_STATE_DICT or "
-                  "LOCAL_STATE_DICT checkpoint: fsdp.cpp resumes Accelerate's checkpoints whose ", kShardedModel,
-                  "/ and ", kShardedOptimizer, "/ are DCP directories with their .metadata, which hold ",
+                  "LOCAL_STATE_DICT checkpoint: fsdp.cpp resumes Accelerate's checkpoints whose ",
+                  kShardedModel, "/ and ", kShardedOptimizer, "/ are DCP directories with their .metadata, which hold ",
                   kFullModelBin, " and ", kFullOptimizer, ", or each rank's ", local_model_file(0), " and ",
                   kShardedOptimizer, "/. Load an earlier checkpoint, or only the weights");
       TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
@@ -536,7 +546,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       step = marker.value("step", int64_t{0});
       if (marker.contains("save_id") && marker["save_id"].is_string()) save_id = marker["save_id"].get<std::string>();
       TORCH_CHECK(step >= 0 && saved_world_size >= 1, "'", marker_path, "' says step ", step, " and world_size ",
-                  saved_world_size, "; a checkpoint has a step of 0 or more and at least one rank. The marker is damaged: "
+                  saved_world_size,
+                  "; a checkpoint has a step of 0 or more and at least one rank. The marker is damaged: "
                   "load an earlier checkpoint");
       if (type == StateDictType::kFullStateDict) {
         const std::string recorded = marker.contains("model_file") && marker["model_file"].is_string()

@@ -3,8 +3,8 @@
 #include <c10/util/Exception.h>
 #include <c10/util/safe_numerics.h>
 
-#include <filesystem>
 #include <algorithm>
+#include <filesystem>
 #include <set>
 #include <utility>
 #include <vector>
@@ -27,13 +27,23 @@ constexpr size_t kMaxPairwiseChunks = 10000;
 
 // torch's dtypes as the globals `torch.<name>` that TensorProperties pickles.
 const std::vector<std::pair<const char*, c10::ScalarType>>& dtype_globals() {
-  static const std::vector<std::pair<const char*, c10::ScalarType>> table = {
-      {"float64", c10::kDouble},        {"float32", c10::kFloat},          {"float16", c10::kHalf},
-      {"bfloat16", c10::kBFloat16},     {"int64", c10::kLong},             {"int32", c10::kInt},
-      {"int16", c10::kShort},           {"int8", c10::kChar},              {"uint8", c10::kByte},
-      {"bool", c10::kBool},             {"complex64", c10::kComplexFloat}, {"complex128", c10::kComplexDouble},
-      {"float8_e4m3fn", c10::kFloat8_e4m3fn}, {"float8_e5m2", c10::kFloat8_e5m2}, {"uint16", c10::kUInt16},
-      {"uint32", c10::kUInt32},         {"uint64", c10::kUInt64}};
+  static const std::vector<std::pair<const char*, c10::ScalarType>> table = {{"float64", c10::kDouble},
+                                                                             {"float32", c10::kFloat},
+                                                                             {"float16", c10::kHalf},
+                                                                             {"bfloat16", c10::kBFloat16},
+                                                                             {"int64", c10::kLong},
+                                                                             {"int32", c10::kInt},
+                                                                             {"int16", c10::kShort},
+                                                                             {"int8", c10::kChar},
+                                                                             {"uint8", c10::kByte},
+                                                                             {"bool", c10::kBool},
+                                                                             {"complex64", c10::kComplexFloat},
+                                                                             {"complex128", c10::kComplexDouble},
+                                                                             {"float8_e4m3fn", c10::kFloat8_e4m3fn},
+                                                                             {"float8_e5m2", c10::kFloat8_e5m2},
+                                                                             {"uint16", c10::kUInt16},
+                                                                             {"uint32", c10::kUInt32},
+                                                                             {"uint64", c10::kUInt64}};
   return table;
 }
 
@@ -52,8 +62,8 @@ const std::set<std::string>& dcp_metadata_globals() {
     result.insert("torch.Size");
     result.insert("torch.serialization._get_layout");
     result.insert("torch.strided");
-    for (const char* path : {"pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath", "pathlib._local.PosixPath",
-                             "pathlib._local.WindowsPath"}) {
+    for (const char* path : {"pathlib.PosixPath", "pathlib.WindowsPath", "pathlib.PurePosixPath",
+                             "pathlib._local.PosixPath", "pathlib._local.WindowsPath"}) {
       result.insert(path);
     }
     for (const auto& [name, dtype] : dtype_globals()) result.insert(std::string("torch.") + name);
@@ -103,8 +113,10 @@ class Interpreter {
         spend(path.items.size());
         std::vector<std::string> elements;
         for (const auto* element : path.items) {
-          if (element->kind == Kind::kInt) elements.push_back(std::to_string(element->integer));
-          else elements.push_back(string_of(*element, "an element of planner_data '" + key + "'"));
+          if (element->kind == Kind::kInt)
+            elements.push_back(std::to_string(element->integer));
+          else
+            elements.push_back(string_of(*element, "an element of planner_data '" + key + "'"));
         }
         metadata.paths[key] = std::move(elements);
       }
@@ -126,12 +138,14 @@ class Interpreter {
       for (const auto& chunk : tensor.chunks) {
         int64_t numel = 1;
         for (const auto size : chunk.sizes) numel *= size;
-        TORCH_CHECK(chunk.storage.length >= 0 || numel == 0, fail("tensor '" + key + "'"), "has no storage entry for its chunk at offsets ",
-                    text_of(chunk.offsets), ": the checkpoint is incomplete");
+        TORCH_CHECK(chunk.storage.length >= 0 || numel == 0, fail("tensor '" + key + "'"),
+                    "has no storage entry for its chunk at offsets ", text_of(chunk.offsets),
+                    ": the checkpoint is incomplete");
       }
     }
     for (const auto& [key, item] : metadata.byte_items) {
-      TORCH_CHECK(item.length >= 0, fail("byte item '" + key + "'"), "has no storage entry: the checkpoint is incomplete");
+      TORCH_CHECK(item.length >= 0, fail("byte item '" + key + "'"),
+                  "has no storage entry: the checkpoint is incomplete");
     }
     return metadata;
   }
@@ -157,7 +171,8 @@ class Interpreter {
     return *value.state;
   }
 
-  const PickleValue* field(const PickleValue& fields, const std::string& name, const std::string& where, Kind kind) const {
+  const PickleValue* field(const PickleValue& fields, const std::string& name, const std::string& where,
+                           Kind kind) const {
     const auto* value = fields.find(name);
     TORCH_CHECK(value, fail(where), "lacks field '", name, "'");
     TORCH_CHECK(value->kind == kind, fail(where), "field '", name, "' is a ", value->describe());
@@ -178,8 +193,8 @@ class Interpreter {
   std::vector<int64_t> size_of(const PickleValue& value, const std::string& where) const {
     const PickleValue* tuple = &value;
     if (is_object(value, "torch.Size")) {
-      TORCH_CHECK(value.arguments->items.size() == 1, fail(where), "is a torch.Size with ", value.arguments->items.size(),
-                  " arguments");
+      TORCH_CHECK(value.arguments->items.size() == 1, fail(where), "is a torch.Size with ",
+                  value.arguments->items.size(), " arguments");
       tuple = value.arguments->items[0];
     }
     TORCH_CHECK(tuple->kind == Kind::kTuple || tuple->kind == Kind::kList, fail(where), "is a ", tuple->describe(),
@@ -228,13 +243,15 @@ class Interpreter {
         TORCH_CHECK(chunk.sizes[dim] <= tensor.size[dim] && chunk.offsets[dim] <= tensor.size[dim] - chunk.sizes[dim],
                     fail(where), "has a chunk at offsets ", text_of(chunk.offsets), " of sizes ", text_of(chunk.sizes),
                     " outside its size ", text_of(tensor.size));
-        TORCH_CHECK(!c10::mul_overflows(numel, chunk.sizes[dim], &numel), fail(where), "has a chunk too large to count");
+        TORCH_CHECK(!c10::mul_overflows(numel, chunk.sizes[dim], &numel), fail(where),
+                    "has a chunk too large to count");
       }
       TORCH_CHECK(!c10::add_overflows(covered, numel, &covered), fail(where), "has chunks too large to count");
       tensor.chunks.push_back(std::move(chunk));
     }
     int64_t numel = 1;
-    for (const auto size : tensor.size) TORCH_CHECK(!c10::mul_overflows(numel, size, &numel), fail(where), "is too large");
+    for (const auto size : tensor.size)
+      TORCH_CHECK(!c10::mul_overflows(numel, size, &numel), fail(where), "is too large");
     TORCH_CHECK(covered == numel, fail(where), "has chunks covering ", covered, " of its ", numel,
                 " elements: the checkpoint does not hold the whole tensor");
     check_tiling(tensor, where);
@@ -242,7 +259,8 @@ class Interpreter {
   }
 
   void spend(size_t values) const {
-    TORCH_CHECK(values <= budget_, "'", source_, "' describes more values than its bytes can hold: it refers to the "
+    TORCH_CHECK(values <= budget_, "'", source_,
+                "' describes more values than its bytes can hold: it refers to the "
                 "same lists again and again (a memo bomb) and is refused");
     budget_ -= values;
   }
@@ -253,7 +271,9 @@ class Interpreter {
   void check_tiling(const DcpTensor& tensor, const std::string& where) const {
     const auto& chunks = tensor.chunks;
     if (chunks.size() < 2 || tensor.size.empty()) return;
-    auto text_of_chunk = [](const DcpChunk& chunk) { return text_of(chunk.offsets) + " of sizes " + text_of(chunk.sizes); };
+    auto text_of_chunk = [](const DcpChunk& chunk) {
+      return text_of(chunk.offsets) + " of sizes " + text_of(chunk.sizes);
+    };
     bool rows_only = true;
     for (const auto& chunk : chunks) {
       for (size_t dim = 1; dim < tensor.size.size(); ++dim) {
@@ -265,7 +285,8 @@ class Interpreter {
       for (const auto& chunk : chunks) {
         if (chunk.sizes[0] > 0) order.push_back(&chunk);
       }
-      std::sort(order.begin(), order.end(), [](const DcpChunk* a, const DcpChunk* b) { return a->offsets[0] < b->offsets[0]; });
+      std::sort(order.begin(), order.end(),
+                [](const DcpChunk* a, const DcpChunk* b) { return a->offsets[0] < b->offsets[0]; });
       for (size_t index = 1; index < order.size(); ++index) {
         TORCH_CHECK(order[index - 1]->offsets[0] + order[index - 1]->sizes[0] <= order[index]->offsets[0], fail(where),
                     "has overlapping chunks at offsets ", text_of_chunk(*order[index - 1]), " and ",
@@ -293,7 +314,8 @@ class Interpreter {
   }
 
   void place(DcpMetadata& metadata, const PickleValue& index_value, const PickleValue& info_value) const {
-    const auto& index = state_of(index_value, "torch.distributed.checkpoint.metadata.MetadataIndex", "a storage_data key");
+    const auto& index =
+        state_of(index_value, "torch.distributed.checkpoint.metadata.MetadataIndex", "a storage_data key");
     const auto& key = string_of(*field(index, "fqn", "MetadataIndex", Kind::kString), "MetadataIndex.fqn");
     const std::string where = "storage of '" + key + "'";
     const auto& info = state_of(info_value, "torch.distributed.checkpoint.filesystem._StorageInfo", where);

@@ -4,17 +4,15 @@
 #include <c10/util/safe_numerics.h>
 #include <caffe2/serialize/inline_container.h>
 #include <caffe2/serialize/read_adapter_interface.h>
-
-#include <limits>
-#include <cstring>
-#include <optional>
-#include <set>
-#include <filesystem>
-
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 
+#include <cstring>
+#include <filesystem>
+#include <limits>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/save_identity.h"
@@ -36,7 +34,8 @@ std::string join(const std::vector<std::string>& parts, size_t first) {
 // bytes outside [offset, offset + length).
 class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
  public:
-  ItemAdapter(const ReadOnlyFile& file, int64_t offset, int64_t length) : file_(file), offset_(offset), length_(length) {}
+  ItemAdapter(const ReadOnlyFile& file, int64_t offset, int64_t length)
+      : file_(file), offset_(offset), length_(length) {}
   size_t size() const override { return static_cast<size_t>(length_); }
   size_t read(uint64_t position, void* buffer, size_t count, const char* /*what*/) const override {
     if (position >= static_cast<uint64_t>(length_)) return 0;
@@ -53,19 +52,32 @@ class ItemAdapter : public caffe2::serialize::ReadAdapterInterface {
 // The legacy storage class torch.save names for each dtype (what _rebuild_tensor_v2 refers to).
 const char* storage_class(c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::kDouble: return "torch.DoubleStorage";
-    case c10::kFloat: return "torch.FloatStorage";
-    case c10::kHalf: return "torch.HalfStorage";
-    case c10::kBFloat16: return "torch.BFloat16Storage";
-    case c10::kLong: return "torch.LongStorage";
-    case c10::kInt: return "torch.IntStorage";
-    case c10::kShort: return "torch.ShortStorage";
-    case c10::kChar: return "torch.CharStorage";
-    case c10::kByte: return "torch.ByteStorage";
-    case c10::kBool: return "torch.BoolStorage";
-    case c10::kComplexFloat: return "torch.ComplexFloatStorage";
-    case c10::kComplexDouble: return "torch.ComplexDoubleStorage";
-    default: return "";
+    case c10::kDouble:
+      return "torch.DoubleStorage";
+    case c10::kFloat:
+      return "torch.FloatStorage";
+    case c10::kHalf:
+      return "torch.HalfStorage";
+    case c10::kBFloat16:
+      return "torch.BFloat16Storage";
+    case c10::kLong:
+      return "torch.LongStorage";
+    case c10::kInt:
+      return "torch.IntStorage";
+    case c10::kShort:
+      return "torch.ShortStorage";
+    case c10::kChar:
+      return "torch.CharStorage";
+    case c10::kByte:
+      return "torch.ByteStorage";
+    case c10::kBool:
+      return "torch.BoolStorage";
+    case c10::kComplexFloat:
+      return "torch.ComplexFloatStorage";
+    case c10::kComplexDouble:
+      return "torch.ComplexDoubleStorage";
+    default:
+      return "";
   }
 }
 
@@ -87,7 +99,7 @@ const ReadOnlyFile& DcpDirectoryReader::file(const std::string& relative_path) c
 }
 
 std::optional<int64_t> DcpDirectoryReader::raw_data_offset(const std::string& key, const DcpTensor& tensor,
-                                                          size_t chunk_index) const {
+                                                           size_t chunk_index) const {
   // Where the chunk's elements lie in its file, when its archive holds exactly what torch.save of a
   // contiguous tensor writes: then rows are read from there straight into the caller's memory.
   // Anything else returns nullopt and goes through the unpickler, which checks it in full.
@@ -202,7 +214,8 @@ void DcpDirectoryReader::check_files() {
     if (storage.length < 0) return;
     const auto size = files.at(storage.relative_path).size;
     TORCH_CHECK(storage.offset <= size && storage.length <= size - storage.offset, item_name(storage), " (item '", key,
-                "') runs past the end of the file (", size, " bytes): the file is truncated or belongs to another save");
+                "') runs past the end of the file (", size,
+                " bytes): the file is truncated or belongs to another save");
   };
   for (const auto& [key, tensor] : metadata_.tensors) {
     for (const auto& chunk : tensor.chunks) open_file(chunk.storage, key);
@@ -227,9 +240,9 @@ void DcpDirectoryReader::check_identities(const std::map<std::string, File>& fil
   if (with_footer.empty()) return;
   const auto where = [&](const std::string& name) { return "'" + (fs::path(directory_) / name).string() + "'"; };
   const std::string remedy = ". Put back the files of one save, or load an earlier checkpoint";
-  TORCH_CHECK(!metadata_.save_id.empty(), where(with_footer), " belongs to save ", files.at(with_footer).found->identity.save_id,
-              ", but '", directory_, "/.metadata' records no save: the .metadata was replaced by one fsdp.cpp did not write",
-              remedy);
+  TORCH_CHECK(!metadata_.save_id.empty(), where(with_footer), " belongs to save ",
+              files.at(with_footer).found->identity.save_id, ", but '", directory_,
+              "/.metadata' records no save: the .metadata was replaced by one fsdp.cpp did not write", remedy);
   for (const auto& [name, file] : files) {
     if (!file.found && !require_footer) continue;
     TORCH_CHECK(file.found, where(name), " carries no save identity, but ", where(with_footer),
@@ -257,22 +270,26 @@ std::vector<int64_t> DcpDirectoryReader::shape(const std::string& name) const { 
 
 c10::ScalarType DcpDirectoryReader::scalar_type(const std::string& name) const { return tensor(name).dtype; }
 
-std::string DcpDirectoryReader::dtype(const std::string& name) const { return safetensors_dtype_name(tensor(name).dtype); }
+std::string DcpDirectoryReader::dtype(const std::string& name) const {
+  return safetensors_dtype_name(tensor(name).dtype);
+}
 
-c10::IValue DcpDirectoryReader::load_item(const DcpStorage& storage, const std::string& key, const std::string& item) const {
+c10::IValue DcpDirectoryReader::load_item(const DcpStorage& storage, const std::string& key,
+                                          const std::string& item) const {
   // check_files() has seen every file the metadata names (a regular file in the directory, long enough).
   const auto& opened = file(storage.relative_path);
   const auto file_size = static_cast<int64_t>(opened.size());
   TORCH_CHECK(storage.offset <= file_size && storage.length <= file_size - storage.offset, item,
-              " runs past the end of the file (", file_size, " bytes): the file is truncated or belongs to another save");
+              " runs past the end of the file (", file_size,
+              " bytes): the file is truncated or belongs to another save");
   std::vector<char> bytes(static_cast<size_t>(storage.length));
   opened.read_exactly(bytes.data(), bytes.size(), static_cast<uint64_t>(storage.offset), item);
   return load_torch_bytes(bytes, item);
 }
 
 std::string DcpDirectoryReader::item_name(const DcpStorage& storage) const {
-  return "'" + (fs::path(directory_) / storage.relative_path).string() + "' bytes " + std::to_string(storage.offset) + "+" +
-         std::to_string(storage.length);
+  return "'" + (fs::path(directory_) / storage.relative_path).string() + "' bytes " + std::to_string(storage.offset) +
+         "+" + std::to_string(storage.length);
 }
 
 c10::IValue DcpDirectoryReader::byte_item(const std::string& key) const {
@@ -281,10 +298,10 @@ c10::IValue DcpDirectoryReader::byte_item(const std::string& key) const {
   return load_item(found->second, key, item_name(found->second) + " (byte item '" + key + "')");
 }
 
-
 at::Tensor DcpDirectoryReader::load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk_index) const {
   const auto& chunk = tensor.chunks[chunk_index];
-  const std::string item = item_name(chunk.storage) + " (chunk of '" + key + "' at offsets " + c10::str(chunk.offsets) + ")";
+  const std::string item =
+      item_name(chunk.storage) + " (chunk of '" + key + "' at offsets " + c10::str(chunk.offsets) + ")";
   const auto value = load_item(chunk.storage, key, item);
   TORCH_CHECK(value.isTensor(), item, " holds a ", value.tagKind(), ", not a tensor");
   auto loaded = value.toTensor();
@@ -294,7 +311,8 @@ at::Tensor DcpDirectoryReader::load_chunk(const std::string& key, const DcpTenso
   return loaded.contiguous();
 }
 
-std::vector<int64_t> DcpDirectoryReader::block_sizes(const std::string& name, int64_t row_begin, int64_t row_count) const {
+std::vector<int64_t> DcpDirectoryReader::block_sizes(const std::string& name, int64_t row_begin,
+                                                     int64_t row_count) const {
   const auto& entry = tensor(name);
   if (entry.size.empty()) {
     TORCH_CHECK(entry.chunks.size() == 1, description(), ": scalar '", name, "' has ", entry.chunks.size(), " chunks");
@@ -315,7 +333,8 @@ at::Tensor DcpDirectoryReader::rows(const std::string& name, int64_t row_begin, 
   return result;
 }
 
-void DcpDirectoryReader::read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const {
+void DcpDirectoryReader::read_rows(const std::string& name, int64_t row_begin, int64_t row_count,
+                                   void* destination) const {
   const auto sizes = block_sizes(name, row_begin, row_count);
   const auto options = at::TensorOptions().dtype(tensor(name).dtype);
   if (sizes.empty()) {
@@ -344,7 +363,8 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
     auto target = result.narrow(0, first - row_begin, last - first);
     // Rows spanning the other dimensions: read from the file straight into the result.
     bool whole_rows = result.is_contiguous();
-    for (size_t dim = 1; dim < sizes.size(); ++dim) whole_rows = whole_rows && chunk.offsets[dim] == 0 && chunk.sizes[dim] == sizes[dim];
+    for (size_t dim = 1; dim < sizes.size(); ++dim)
+      whole_rows = whole_rows && chunk.offsets[dim] == 0 && chunk.sizes[dim] == sizes[dim];
     if (whole_rows) {
       std::lock_guard<std::mutex> lock(cache_mutex_);
       if (const auto offset = raw_data_offset(key, entry, index)) {
@@ -368,7 +388,8 @@ void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, a
       }
       loaded = cached_;
     }
-    for (size_t dim = 1; dim < sizes.size(); ++dim) target = target.narrow(static_cast<int64_t>(dim), chunk.offsets[dim], chunk.sizes[dim]);
+    for (size_t dim = 1; dim < sizes.size(); ++dim)
+      target = target.narrow(static_cast<int64_t>(dim), chunk.offsets[dim], chunk.sizes[dim]);
     target.copy_(loaded.narrow(0, first - chunk.offsets[0], last - first));
   }
 }

@@ -8,16 +8,15 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <fsdp/state_dict.h>
 
 #include <map>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <utility>
 #include <string>
+#include <utility>
 #include <vector>
-
-#include <fsdp/state_dict.h>
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/save_identity.h"

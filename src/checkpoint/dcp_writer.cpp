@@ -1,25 +1,23 @@
 #include "checkpoint/dcp_writer.h"
-#include "checkpoint/dcp_metadata.h"
-
-#include <fsdp/dcp.h>
 
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-
-#include <filesystem>
-#include <cstdio>
-#include <map>
-
+#include <fsdp/dcp.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/torch_file.h>
 
+#include <cstdio>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/dcp_metadata.h"
+#include "checkpoint/optimizer_state.h"
+#include "checkpoint/save_identity.h"
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
 #include "io/pickle_writer.h"
-#include "checkpoint/optimizer_state.h"
-#include "checkpoint/save_identity.h"
 
 namespace fsdp::detail {
 namespace {
@@ -44,8 +42,8 @@ struct WrittenItem {
 };
 
 nlohmann::json to_json(const WrittenItem& item) {
-  return {{"key", item.key}, {"bytes", item.is_bytes}, {"offsets", item.offsets}, {"sizes", item.sizes},
-          {"file", item.file},  {"offset", item.offset},  {"length", item.length}};
+  return {{"key", item.key},   {"bytes", item.is_bytes}, {"offsets", item.offsets}, {"sizes", item.sizes},
+          {"file", item.file}, {"offset", item.offset},  {"length", item.length}};
 }
 
 WrittenItem from_json(const nlohmann::json& value) {
@@ -288,8 +286,10 @@ void finish_dcp_directory(const std::string& directory, const std::vector<DcpTen
     auto path_of = [&](const DcpPath& path) {
       out.mark();
       for (const auto& element : path) {
-        if (element.index >= 0) out.integer(element.index);
-        else out.string(element.key);
+        if (element.index >= 0)
+          out.integer(element.index);
+        else
+          out.string(element.key);
       }
       out.tuple_from_mark();
     };
@@ -311,11 +311,15 @@ void finish_dcp_directory(const std::string& directory, const std::vector<DcpTen
       out.string("fqn");
       out.string(item.key);
       out.string("offset");
-      if (item.is_bytes) out.none();
-      else pickle.size(item.offsets);
+      if (item.is_bytes)
+        out.none();
+      else
+        pickle.size(item.offsets);
       out.string("index");
-      if (item.is_bytes) out.none();
-      else out.integer(index);
+      if (item.is_bytes)
+        out.none();
+      else
+        out.integer(index);
       pickle.end_dataclass();
       pickle.begin_dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo");
       out.string("relative_path");
@@ -355,7 +359,8 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
   // Every rank's file records rank 0's id (Note [save identity]).
   const auto save_id = broadcast_string(context, context.rank() == 0 ? save_id_on_rank0 : std::string(), 0);
   prepare_dcp_directory(directory, context);
-  const auto report = write_dcp_rank_file(directory, tensors, byte_items, context.rank(), context.world_size(), save_id);
+  const auto report =
+      write_dcp_rank_file(directory, tensors, byte_items, context.rank(), context.world_size(), save_id);
   finish_dcp_directory(directory, tensors, byte_items, context, save_id, report);
 }
 
@@ -370,7 +375,8 @@ void optimizer_dcp_entries(const OptimizerStateDict& state, std::vector<DcpTenso
     const auto last_dot = name.rfind('.');
     TORCH_INTERNAL_ASSERT(name.rfind("state.", 0) == 0 && last_dot != std::string::npos && last_dot > 6,
                           "optimizer state tensor '", name, "'");
-    tensors.push_back({{{"optimizer"}, {"state"}, {name.substr(6, last_dot - 6)}, {name.substr(last_dot + 1)}}, tensor});
+    tensors.push_back(
+        {{{"optimizer"}, {"state"}, {name.substr(6, last_dot - 6)}, {name.substr(last_dot + 1)}}, tensor});
   }
   const auto groups = nlohmann::json::parse(state.param_groups_json);
   for (size_t index = 0; index < groups.size(); ++index) {

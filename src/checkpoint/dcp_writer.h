@@ -9,13 +9,12 @@
 #pragma once
 
 #include <ATen/core/ivalue.h>
+#include <fsdp/process_group.h>
+#include <fsdp/state_dict.h>
 
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
-#include <fsdp/state_dict.h>
 
 namespace fsdp::detail {
 

@@ -2,13 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <fsdp/torch_file.h>
 
 #include <algorithm>
 #include <map>
 #include <set>
 #include <utility>
-
-#include <fsdp/torch_file.h>
 
 namespace fsdp::detail {
 
@@ -28,7 +27,8 @@ std::string unit_name(const std::string& prefix) { return prefix.empty() ? "the 
 
 // Where each parameter starts in the flat parameter, and its total, for an alignment of `aligned`
 // elements (0: none) on `world_size` ranks (Note [FSDP1 flat parameters]).
-std::pair<std::vector<int64_t>, int64_t> layout(const std::vector<int64_t>& numels, int64_t aligned, int64_t world_size) {
+std::pair<std::vector<int64_t>, int64_t> layout(const std::vector<int64_t>& numels, int64_t aligned,
+                                                int64_t world_size) {
   std::vector<int64_t> offsets;
   int64_t total = 0;
   for (const auto numel : numels) {
@@ -77,8 +77,8 @@ TensorList full_state_dict_from_fsdp1_local_files(const std::vector<std::string>
       if (inside && (owner == nullptr || prefix.size() > owner->size())) owner = &prefix;
     }
     TORCH_CHECK(owner != nullptr, "the model's parameter '", parameter.name, "' is in none of the flat parameters of '",
-                files.front(), "' (", flats.size(), " FSDP1 units, the first '", flats.begin()->first, ".",
-                kFlatParam, "'): the checkpoint is of another model");
+                files.front(), "' (", flats.size(), " FSDP1 units, the first '", flats.begin()->first, ".", kFlatParam,
+                "'): the checkpoint is of another model");
     members[*owner].push_back(&parameter);
   }
   std::map<std::string, std::vector<int64_t>> numels;
@@ -107,9 +107,12 @@ TensorList full_state_dict_from_fsdp1_local_files(const std::vector<std::string>
         int64_t largest = world_size;
         for (const auto numel : unit) largest += numel + 15;
         TORCH_CHECK(sharded.size[0] <= largest, "'", file, "': the flat parameter of ", unit_name(prefix), " holds ",
-                    sharded.size[0], " elements, more than the ", unit.size(), " parameters of the model it covers can "
-                    "make with any padding (", largest, "): the checkpoint is of another model");
-        const auto dtype = sharded.local_shards.empty() ? at::kFloat : sharded.local_shards.front().tensor.scalar_type();
+                    sharded.size[0], " elements, more than the ", unit.size(),
+                    " parameters of the model it covers can "
+                    "make with any padding (",
+                    largest, "): the checkpoint is of another model");
+        const auto dtype =
+            sharded.local_shards.empty() ? at::kFloat : sharded.local_shards.front().tensor.scalar_type();
         flat.whole = at::zeros({sharded.size[0]}, at::TensorOptions().dtype(dtype));
         flat.first_file = file;
       }
@@ -151,14 +154,16 @@ TensorList full_state_dict_from_fsdp1_local_files(const std::vector<std::string>
     for (const int64_t aligned : {0, 2, 4, 8, 16}) {
       auto [offsets, size] = layout(unit_numels, aligned, world_size);
       totals.push_back(size);
-      if (size == total && std::find(matches.begin(), matches.end(), offsets) == matches.end()) matches.push_back(offsets);
+      if (size == total && std::find(matches.begin(), matches.end(), offsets) == matches.end())
+        matches.push_back(offsets);
     }
     TORCH_CHECK(!matches.empty(), "the flat parameter of ", unit_name(prefix), " holds ", total, " elements, but the ",
                 unit.size(), " parameters of the model it covers (the first '", unit.front()->name, "') make ",
                 totals[0], " without alignment and ", totals[1], ", ", totals[2], ", ", totals[3], " or ", totals[4],
                 " with FSDP1's alignment on ", world_size, " ranks: the checkpoint is of another model or wrapping");
     TORCH_CHECK(matches.size() == 1, "the flat parameter of ", unit_name(prefix), " (", total, " elements) fits ",
-                matches.size(), " FSDP1 layouts of the model's parameters (alignments that give the same total): which "
+                matches.size(),
+                " FSDP1 layouts of the model's parameters (alignments that give the same total): which "
                 "one was saved cannot be told. Save with SHARDED_STATE_DICT");
     for (size_t index = 0; index < unit.size(); ++index) {
       const auto begin = matches[0][index];
@@ -187,7 +192,8 @@ TensorList full_state_dict_from_fsdp1_local_files(const std::vector<std::string>
                           at::equal(piece->second->reshape({-1}).to(expected.scalar_type()), expected),
                       "'", files[rank], "': parameter '", parameter->name, "' as cut from the flat parameter of ",
                       unit_name(prefix), " differs from its own piece in the file (", piece->second->numel(),
-                      " elements there, ", expected.numel(), " cut): the model registers its parameters in another "
+                      " elements there, ", expected.numel(),
+                      " cut): the model registers its parameters in another "
                       "order than the model that saved");
         }
       }

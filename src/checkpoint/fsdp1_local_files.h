@@ -24,11 +24,11 @@
 // full copy of the model per rank while loading).
 #pragma once
 
+#include <fsdp/state_dict.h>
+
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <fsdp/state_dict.h>
 
 namespace fsdp::detail {
 

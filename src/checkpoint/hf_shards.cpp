@@ -1,9 +1,9 @@
 #include "checkpoint/hf_shards.h"
 
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
 
 #include <cstdio>
+#include <nlohmann/json.hpp>
 
 namespace fsdp::detail {
 

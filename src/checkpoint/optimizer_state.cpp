@@ -33,7 +33,8 @@ int64_t step_of(const std::vector<std::pair<std::string, at::Tensor>>& fields, c
   return static_cast<int64_t>(step);
 }
 
-void push_if_defined(std::vector<std::pair<std::string, at::Tensor>>& fields, const char* name, const at::Tensor& tensor) {
+void push_if_defined(std::vector<std::pair<std::string, at::Tensor>>& fields, const char* name,
+                     const at::Tensor& tensor) {
   if (tensor.defined()) fields.emplace_back(name, tensor);
 }
 
@@ -65,8 +66,9 @@ std::string optimizer_type(torch::optim::Optimizer& optimizer) {
   if (dynamic_cast<torch::optim::SGD*>(&optimizer)) return "SGD";
   if (dynamic_cast<torch::optim::Adagrad*>(&optimizer)) return "Adagrad";
   if (dynamic_cast<torch::optim::RMSprop*>(&optimizer)) return "RMSprop";
-  TORCH_CHECK(false, "optimizer state dicts support torch::optim AdamW, Adam, SGD, Adagrad and RMSprop; this "
-                     "optimizer is none of them (LBFGS keeps a history that cannot be sharded)");
+  TORCH_CHECK(false,
+              "optimizer state dicts support torch::optim AdamW, Adam, SGD, Adagrad and RMSprop; this "
+              "optimizer is none of them (LBFGS keeps a history that cannot be sharded)");
 }
 
 std::vector<std::pair<std::string, at::Tensor>> state_fields(const std::string& type,
@@ -152,25 +154,38 @@ nlohmann::json options_json(const std::string& type, torch::optim::OptimizerOpti
       values["weight_decay"] = typed.weight_decay();
       values["amsgrad"] = typed.amsgrad();
     };
-    if (type == "AdamW") write(static_cast<torch::optim::AdamWOptions&>(options));
-    else write(static_cast<torch::optim::AdamOptions&>(options));
+    if (type == "AdamW")
+      write(static_cast<torch::optim::AdamWOptions&>(options));
+    else
+      write(static_cast<torch::optim::AdamOptions&>(options));
   } else if (type == "SGD") {
     auto& typed = static_cast<torch::optim::SGDOptions&>(options);
-    values = {{"lr", typed.lr()}, {"momentum", typed.momentum()}, {"dampening", typed.dampening()},
-              {"weight_decay", typed.weight_decay()}, {"nesterov", typed.nesterov()}};
+    values = {{"lr", typed.lr()},
+              {"momentum", typed.momentum()},
+              {"dampening", typed.dampening()},
+              {"weight_decay", typed.weight_decay()},
+              {"nesterov", typed.nesterov()}};
   } else if (type == "Adagrad") {
     auto& typed = static_cast<torch::optim::AdagradOptions&>(options);
-    values = {{"lr", typed.lr()}, {"lr_decay", typed.lr_decay()}, {"weight_decay", typed.weight_decay()},
-              {"initial_accumulator_value", typed.initial_accumulator_value()}, {"eps", typed.eps()}};
+    values = {{"lr", typed.lr()},
+              {"lr_decay", typed.lr_decay()},
+              {"weight_decay", typed.weight_decay()},
+              {"initial_accumulator_value", typed.initial_accumulator_value()},
+              {"eps", typed.eps()}};
   } else if (type == "RMSprop") {
     auto& typed = static_cast<torch::optim::RMSpropOptions&>(options);
-    values = {{"lr", typed.lr()}, {"alpha", typed.alpha()}, {"eps", typed.eps()}, {"weight_decay", typed.weight_decay()},
-              {"momentum", typed.momentum()}, {"centered", typed.centered()}};
+    values = {{"lr", typed.lr()},
+              {"alpha", typed.alpha()},
+              {"eps", typed.eps()},
+              {"weight_decay", typed.weight_decay()},
+              {"momentum", typed.momentum()},
+              {"centered", typed.centered()}};
   }
   return values;
 }
 
-void apply_options_json(const std::string& type, const nlohmann::json& values, torch::optim::OptimizerOptions& options) {
+void apply_options_json(const std::string& type, const nlohmann::json& values,
+                        torch::optim::OptimizerOptions& options) {
   if (type == "AdamW" || type == "Adam") {
     auto read = [&](auto& typed) {
       typed.lr(number(values, "lr", type));
@@ -179,8 +194,10 @@ void apply_options_json(const std::string& type, const nlohmann::json& values, t
       typed.weight_decay(number(values, "weight_decay", type));
       typed.amsgrad(flag(values, "amsgrad", type));
     };
-    if (type == "AdamW") read(static_cast<torch::optim::AdamWOptions&>(options));
-    else read(static_cast<torch::optim::AdamOptions&>(options));
+    if (type == "AdamW")
+      read(static_cast<torch::optim::AdamWOptions&>(options));
+    else
+      read(static_cast<torch::optim::AdamOptions&>(options));
   } else if (type == "SGD") {
     auto& typed = static_cast<torch::optim::SGDOptions&>(options);
     typed.lr(number(values, "lr", type));
@@ -220,26 +237,43 @@ c10::IValue no() { return c10::IValue(false); }
 c10::IValue yes() { return c10::IValue(true); }
 
 const std::vector<PyTorchKey>& pytorch_keys(const std::string& type) {
-  static const std::vector<PyTorchKey> adamw = {{"lr", nullptr},          {"betas", nullptr},      {"eps", nullptr},
-                                                {"weight_decay", nullptr}, {"amsgrad", nullptr},    {"maximize", no},
-                                                {"foreach", none},         {"capturable", no},      {"differentiable", no},
-                                                {"fused", none},           {"decoupled_weight_decay", yes}};
-  static const std::vector<PyTorchKey> adam = {{"lr", nullptr},          {"betas", nullptr},      {"eps", nullptr},
-                                               {"weight_decay", nullptr}, {"amsgrad", nullptr},    {"maximize", no},
-                                               {"foreach", none},         {"capturable", no},      {"differentiable", no},
-                                               {"fused", none},           {"decoupled_weight_decay", no}};
-  static const std::vector<PyTorchKey> sgd = {{"lr", nullptr},       {"momentum", nullptr}, {"dampening", nullptr},
-                                              {"weight_decay", nullptr}, {"nesterov", nullptr}, {"maximize", no},
-                                              {"foreach", none},     {"differentiable", no}, {"fused", none}};
-  static const std::vector<PyTorchKey> adagrad = {{"lr", nullptr},       {"lr_decay", nullptr},
-                                                  {"eps", nullptr},      {"weight_decay", nullptr},
+  static const std::vector<PyTorchKey> adamw = {{"lr", nullptr},
+                                                {"betas", nullptr},
+                                                {"eps", nullptr},
+                                                {"weight_decay", nullptr},
+                                                {"amsgrad", nullptr},
+                                                {"maximize", no},
+                                                {"foreach", none},
+                                                {"capturable", no},
+                                                {"differentiable", no},
+                                                {"fused", none},
+                                                {"decoupled_weight_decay", yes}};
+  static const std::vector<PyTorchKey> adam = {{"lr", nullptr},
+                                               {"betas", nullptr},
+                                               {"eps", nullptr},
+                                               {"weight_decay", nullptr},
+                                               {"amsgrad", nullptr},
+                                               {"maximize", no},
+                                               {"foreach", none},
+                                               {"capturable", no},
+                                               {"differentiable", no},
+                                               {"fused", none},
+                                               {"decoupled_weight_decay", no}};
+  static const std::vector<PyTorchKey> sgd = {{"lr", nullptr},           {"momentum", nullptr},  {"dampening", nullptr},
+                                              {"weight_decay", nullptr}, {"nesterov", nullptr},  {"maximize", no},
+                                              {"foreach", none},         {"differentiable", no}, {"fused", none}};
+  static const std::vector<PyTorchKey> adagrad = {{"lr", nullptr},
+                                                  {"lr_decay", nullptr},
+                                                  {"eps", nullptr},
+                                                  {"weight_decay", nullptr},
                                                   {"initial_accumulator_value", nullptr},
-                                                  {"foreach", none},     {"maximize", no},
-                                                  {"differentiable", no}, {"fused", none}};
-  static const std::vector<PyTorchKey> rmsprop = {{"lr", nullptr},       {"momentum", nullptr}, {"alpha", nullptr},
-                                                  {"eps", nullptr},      {"centered", nullptr}, {"weight_decay", nullptr},
-                                                  {"capturable", no},    {"foreach", none},     {"maximize", no},
-                                                  {"differentiable", no}};
+                                                  {"foreach", none},
+                                                  {"maximize", no},
+                                                  {"differentiable", no},
+                                                  {"fused", none}};
+  static const std::vector<PyTorchKey> rmsprop = {
+      {"lr", nullptr},           {"momentum", nullptr}, {"alpha", nullptr}, {"eps", nullptr}, {"centered", nullptr},
+      {"weight_decay", nullptr}, {"capturable", no},    {"foreach", none},  {"maximize", no}, {"differentiable", no}};
   if (type == "AdamW") return adamw;
   if (type == "Adam") return adam;
   if (type == "SGD") return sgd;
@@ -261,7 +295,8 @@ c10::IValue json_to_ivalue(const nlohmann::json& value) {
 
 }  // namespace
 
-std::vector<std::pair<std::string, c10::IValue>> pytorch_param_group(const std::string& type, const nlohmann::json& values) {
+std::vector<std::pair<std::string, c10::IValue>> pytorch_param_group(const std::string& type,
+                                                                     const nlohmann::json& values) {
   std::vector<std::pair<std::string, c10::IValue>> group;
   for (const auto& key : pytorch_keys(type)) {
     if (key.extra) {
@@ -320,7 +355,8 @@ nlohmann::json param_group_value_json(const c10::IValue& value, const std::strin
     }
     return names;
   }
-  TORCH_CHECK(false, where, " is a ", value.tagKind(), "; expected a number, bool, None, a tuple of numbers or a list of names");
+  TORCH_CHECK(false, where, " is a ", value.tagKind(),
+              "; expected a number, bool, None, a tuple of numbers or a list of names");
 }
 
 }  // namespace fsdp::detail

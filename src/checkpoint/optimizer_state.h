@@ -5,9 +5,9 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
-#include <nlohmann/json.hpp>
 #include <torch/optim/optimizer.h>
 
+#include <nlohmann/json.hpp>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,9 +21,9 @@ std::string optimizer_type(torch::optim::Optimizer& optimizer);
 std::vector<std::pair<std::string, at::Tensor>> state_fields(const std::string& type,
                                                              torch::optim::OptimizerParamState& state);
 /// A state object of `type` built from fields (missing optional fields stay undefined).
-std::unique_ptr<torch::optim::OptimizerParamState> make_state(const std::string& type,
-                                                              const std::vector<std::pair<std::string, at::Tensor>>& fields,
-                                                              const std::string& parameter_name);
+std::unique_ptr<torch::optim::OptimizerParamState> make_state(
+    const std::string& type, const std::vector<std::pair<std::string, at::Tensor>>& fields,
+    const std::string& parameter_name);
 
 /// One group's hyper-parameters ("betas" is a two-element array).
 nlohmann::json options_json(const std::string& type, torch::optim::OptimizerOptions& options);
@@ -33,7 +33,8 @@ void apply_options_json(const std::string& type, const nlohmann::json& values, t
 /// One group's hyper-parameters as PyTorch's optimizer.state_dict() holds them for `type`: torch
 /// 2.13's keys in its order, those libtorch lacks (maximize, foreach, ...) at PyTorch's defaults,
 /// without "params". `values` is what options_json gives.
-std::vector<std::pair<std::string, c10::IValue>> pytorch_param_group(const std::string& type, const nlohmann::json& values);
+std::vector<std::pair<std::string, c10::IValue>> pytorch_param_group(const std::string& type,
+                                                                     const nlohmann::json& values);
 
 /// The optimizer class a parameter group saved by PyTorch belongs to, told by its keys
 /// ("decoupled_weight_decay" tells AdamW from Adam, which torch 2.13 both give "betas"); "" when

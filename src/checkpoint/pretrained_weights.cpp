@@ -1,8 +1,7 @@
 #include <fsdp/pretrained_weights.h>
 
-#include <nlohmann/json.hpp>
-
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <sstream>
 
 #include "dist/agreement.h"

@@ -1,10 +1,10 @@
 #include "checkpoint/save_identity.h"
 
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <cstring>
+#include <nlohmann/json.hpp>
 #include <random>
 
 #include "io/read_only_file.h"
@@ -34,7 +34,8 @@ std::string new_save_id() {
 
 std::string identity_footer(const FileIdentity& identity) {
   const std::string json =
-      nlohmann::json{{"save_id", identity.save_id}, {"rank", identity.rank}, {"world_size", identity.world_size}}.dump();
+      nlohmann::json{{"save_id", identity.save_id}, {"rank", identity.rank}, {"world_size", identity.world_size}}
+          .dump();
   std::string footer = json;
   uint64_t length = json.size();
   for (int byte = 0; byte < kLengthBytes; ++byte) footer.push_back(static_cast<char>((length >> (8 * byte)) & 0xff));
@@ -61,8 +62,8 @@ std::optional<FoundIdentity> read_identity_footer(const ReadOnlyFile& file) {
   FoundIdentity found;
   found.footer_bytes = kMagicBytes + kLengthBytes + static_cast<int64_t>(length);
   nlohmann::json value = nlohmann::json::parse(json, nullptr, /*allow_exceptions=*/false);
-  TORCH_CHECK(value.is_object() && value.contains("save_id") && value["save_id"].is_string() && value.contains("rank") &&
-                  value["rank"].is_number_integer() && value.contains("world_size") &&
+  TORCH_CHECK(value.is_object() && value.contains("save_id") && value["save_id"].is_string() &&
+                  value.contains("rank") && value["rank"].is_number_integer() && value.contains("world_size") &&
                   value["world_size"].is_number_integer(),
               damaged, "expected JSON with save_id (a string), rank and world_size (integers), found '", json,
               "'. Restore the file, or load an earlier checkpoint");

@@ -1,15 +1,13 @@
-#include <fsdp/sharded_checkpoint.h>
-
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
+#include <fsdp/collectives.h>
+#include <fsdp/sharded_checkpoint.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <filesystem>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <sstream>
-
-#include <fsdp/collectives.h>
 
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
@@ -80,7 +78,8 @@ void write_sharded_directory(const std::string& directory, const ShardedTensorLi
   const auto all_chunks = detail::all_gather_strings(context, report);
   for (size_t other = 0; other < all_chunks.size(); ++other) {
     if (all_chunks[other].rfind("ERROR:", 0) == 0) {
-      TORCH_CHECK(false, "writing sharded directory '", directory, "': rank ", other, " failed: ", all_chunks[other].substr(6));
+      TORCH_CHECK(false, "writing sharded directory '", directory, "': rank ", other,
+                  " failed: ", all_chunks[other].substr(6));
     }
   }
   detail::run_on_every_rank(context, [&] {
@@ -132,10 +131,12 @@ void ShardedDirectoryReader::open() {
   const std::string& directory = directory_;
   const auto metadata_path = std::filesystem::path(directory) / kShardedMetadataFile;
   // It lists every tensor's pieces: a few megabytes for the largest models.
-  const auto file = detail::ReadOnlyFile::open_if_exists(metadata_path.string(), uint64_t{1} << 30, "sharded checkpoint metadata",
-                                                 "the directory is not a sharded checkpoint");
+  const auto file =
+      detail::ReadOnlyFile::open_if_exists(metadata_path.string(), uint64_t{1} << 30, "sharded checkpoint metadata",
+                                           "the directory is not a sharded checkpoint");
   if (!file && std::filesystem::exists(std::filesystem::path(directory) / ".metadata")) {
-    TORCH_CHECK(false, "'", directory, "' is a PyTorch DCP checkpoint (.metadata and .distcp files), not the rank-file ",
+    TORCH_CHECK(false, "'", directory,
+                "' is a PyTorch DCP checkpoint (.metadata and .distcp files), not the rank-file ",
                 "format this reader takes (docs/checkpoint-format.md). load_checkpoint, Accelerator::load_state and "
                 "`fsdp merge-weights` read both and choose by the files they find: use one of them");
   }
@@ -147,9 +148,7 @@ void ShardedDirectoryReader::open() {
   } catch (const nlohmann::json::exception& error) {
     TORCH_CHECK(false, "'", metadata_path.string(), "' is not valid JSON (", error.what(), ")");
   }
-  auto fail = [&](const std::string& what) {
-    TORCH_CHECK(false, "'", metadata_path.string(), "': ", what);
-  };
+  auto fail = [&](const std::string& what) { TORCH_CHECK(false, "'", metadata_path.string(), "': ", what); };
   if (!metadata.is_object() || !metadata.contains("format") || metadata["format"] != kFormatName) {
     fail("not an fsdp.cpp sharded checkpoint");
   }
@@ -195,8 +194,8 @@ void ShardedDirectoryReader::open() {
     for (const auto& extent : item["shape"]) {
       entry.shape.push_back(integer(extent, "tensor '" + name + "' has a size that"));
     }
-    TORCH_CHECK(entry.shape.size() <= 64, "'", metadata_path.string(), "': tensor '", name, "' has ", entry.shape.size(),
-                " dimensions");
+    TORCH_CHECK(entry.shape.size() <= 64, "'", metadata_path.string(), "': tensor '", name, "' has ",
+                entry.shape.size(), " dimensions");
     for (auto extent : entry.shape) {
       if (extent < 0 || extent > (int64_t{1} << 48)) fail("tensor '" + name + "' has an impossible size");
     }
@@ -204,7 +203,8 @@ void ShardedDirectoryReader::open() {
       Chunk parsed{chunk.at("file").get<std::string>(),
                    integer(chunk.at("row_offset"), "tensor '" + name + "' has a row_offset that"),
                    integer(chunk.at("rows"), "tensor '" + name + "' has a rows count that")};
-      if (!is_rank_file_name(parsed.file)) fail("tensor '" + name + "' names file '" + parsed.file + "', not a rank file");
+      if (!is_rank_file_name(parsed.file))
+        fail("tensor '" + name + "' names file '" + parsed.file + "', not a rank file");
       if (parsed.row_offset < 0 || parsed.rows < 0 || parsed.row_offset > rows_of(entry.shape) ||
           parsed.rows > rows_of(entry.shape) - parsed.row_offset) {
         fail("tensor '" + name + "' has a chunk outside its rows");

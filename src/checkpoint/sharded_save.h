@@ -3,6 +3,8 @@
 // own, on a staged copy (Note [asynchronous checkpoints]).
 #pragma once
 
+#include <fsdp/checkpoint.h>
+#include <fsdp/process_group.h>
 #include <torch/nn/module.h>
 #include <torch/optim/optimizer.h>
 
@@ -10,9 +12,6 @@
 #include <cstdint>
 #include <string>
 #include <vector>
-
-#include <fsdp/checkpoint.h>
-#include <fsdp/process_group.h>
 
 #include "checkpoint/dcp_writer.h"
 

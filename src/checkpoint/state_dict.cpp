@@ -1,21 +1,19 @@
+#include <ATen/ATen.h>
+#include <fsdp/collectives.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/pretrained_model.h>
 #include <fsdp/state_dict.h>
 
-#include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-
 #include <map>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <unordered_map>
 #include <unordered_set>
 
-#include <fsdp/collectives.h>
-#include <fsdp/fully_shard.h>
-#include <fsdp/pretrained_model.h>
-
-#include "dist/agreement.h"
-#include "dist/control_channel.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/state_dict_views.h"
+#include "dist/agreement.h"
+#include "dist/control_channel.h"
 
 namespace fsdp {
 namespace {
@@ -65,7 +63,8 @@ std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
   for (const auto& item : model.named_parameters()) add(item.key(), item.value());
   // Buffers the model declares non-persistent are not state (torch's persistent=False).
   std::vector<std::string> non_persistent;
-  if (const auto* pretrained = dynamic_cast<const PretrainedModel*>(&model)) non_persistent = pretrained->non_persistent_buffers();
+  if (const auto* pretrained = dynamic_cast<const PretrainedModel*>(&model))
+    non_persistent = pretrained->non_persistent_buffers();
   auto is_persistent = [&](const std::string& name) {
     for (const auto& entry : non_persistent) {
       if (name == entry) return false;
@@ -169,7 +168,8 @@ std::unordered_map<const c10::TensorImpl*, const ModelTensor*> by_impl(const std
 
 /// Whether a state tensor is laid out like its parameter's shard (so it is sharded the same way).
 bool sharded_like_parameter(const ModelTensor& entry, const at::Tensor& state) {
-  return is_sharded(entry) && state.dim() > 0 && state.sizes() == at::IntArrayRef(entry.owner->shard.layout.sharded_sizes);
+  return is_sharded(entry) && state.dim() > 0 &&
+         state.sizes() == at::IntArrayRef(entry.owner->shard.layout.sharded_sizes);
 }
 
 }  // namespace
@@ -206,8 +206,9 @@ TensorList full_model_state_dict(torch::nn::Module& model, const StateDictConfig
   TensorList result;
   for (const auto& entry : model_tensors(model)) {
     // Every rank takes part in each gather, whether or not it keeps the result.
-    at::Tensor full = entry.owner ? gather_full(entry.owner->unit, entry.owner->shard.sharded_padded, entry.owner->shard.layout)
-                                    : entry.tensor.detach().clone();
+    at::Tensor full = entry.owner
+                          ? gather_full(entry.owner->unit, entry.owner->shard.sharded_padded, entry.owner->shard.layout)
+                          : entry.tensor.detach().clone();
     if (keep) result.emplace_back(entry.name, std::move(full));
   }
   return result;
@@ -227,8 +228,9 @@ ShardedTensorList sharded_model_state_dict(torch::nn::Module& model, bool views)
       sharded.row_offset = entry.owner->shard.layout.row_offset;
       sharded.duplicate = is_replica_copy(entry);
     } else {
-      sharded.local = entry.owner ? taken(entry.owner->shard.sharded_padded.view(entry.owner->shard.layout.unsharded_sizes), views)
-                                  : taken(entry.tensor, views);
+      sharded.local =
+          entry.owner ? taken(entry.owner->shard.sharded_padded.view(entry.owner->shard.layout.unsharded_sizes), views)
+                      : taken(entry.tensor, views);
       sharded.global_shape = sharded.local.sizes().vec();
       sharded.replicated = true;
     }
@@ -254,8 +256,8 @@ TensorList local_model_state_dict(torch::nn::Module& model) {
     if (parameters.empty()) continue;
     std::vector<at::Tensor> pieces;
     for (const auto& parameter : parameters) {
-      TORCH_CHECK(parameter.original_dtype == parameters.front().original_dtype, "LOCAL_STATE_DICT: ",
-                  unit.description(), " mixes ", parameters.front().original_dtype, " and ",
+      TORCH_CHECK(parameter.original_dtype == parameters.front().original_dtype,
+                  "LOCAL_STATE_DICT: ", unit.description(), " mixes ", parameters.front().original_dtype, " and ",
                   parameter.original_dtype, " parameters, which cannot share one flat tensor; use SHARDED_STATE_DICT");
       pieces.push_back(parameter.sharded_padded);
     }
@@ -308,7 +310,8 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
         }
         // A dtype libtorch cannot hold fails here, before any broadcast.
         if (source->rows(name, 0, 0).is_meta()) {
-          problem = "'" + entry.name + "' is on the meta device on rank 0, which has no values to send. Build (or "
+          problem = "'" + entry.name +
+                    "' is on the meta device on rank 0, which has no values to send. Build (or "
                     "load) the model materialized on rank 0; only the other ranks may build it on the meta device";
           break;
         }
@@ -328,24 +331,27 @@ int64_t load_model_state_dict_from_rank0(torch::nn::Module& model, const Distrib
     if (is_source) {
       try {
         const auto name = source_name(entry, *source);
-        full = source->rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).to(entry.tensor.scalar_type()).contiguous();
+        full = source->rows(name, 0, shape.empty() ? 1 : shape[0])
+                   .reshape(shape)
+                   .to(entry.tensor.scalar_type())
+                   .contiguous();
       } catch (const c10::Error& error) {
         read_error = error.what_without_backtrace();
         if (read_error.empty()) read_error = "reading '" + entry.name + "' failed";
       }
     }
     read_error = detail::broadcast_string(context, read_error, 0);
-    TORCH_CHECK(read_error.empty(), is_source ? read_error : "rank 0 could not read '" + entry.name + "': " + read_error);
+    TORCH_CHECK(read_error.empty(),
+                is_source ? read_error : "rank 0 could not read '" + entry.name + "': " + read_error);
     if (!is_source) full = at::empty(shape, entry.tensor.options().requires_grad(false));
     peak_bytes = std::max<int64_t>(peak_bytes, full.numel() * full.element_size());
     broadcast(context.world(), full, 0);
     if (is_sharded(entry)) {
       const auto& layout = entry.owner->shard.layout;
-      copy_into_model(entry, layout.numel_owned == 0
-                                 ? at::empty(layout.sharded_sizes, full.options())
-                                 : full.reshape({layout.rows, layout.row_numel})
-                                       .narrow(0, layout.row_offset, layout.owned_rows)
-                                       .reshape(layout.sharded_sizes));
+      copy_into_model(entry, layout.numel_owned == 0 ? at::empty(layout.sharded_sizes, full.options())
+                                                     : full.reshape({layout.rows, layout.row_numel})
+                                                           .narrow(0, layout.row_offset, layout.owned_rows)
+                                                           .reshape(layout.sharded_sizes));
     } else {
       copy_into_model(entry, full);
     }
@@ -382,8 +388,8 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
   for (const auto& entry : model_tensors(model)) {
     if (entry.owner) continue;
     TORCH_CHECK(source.contains(entry.name), "LOCAL state dict lacks buffer or parameter '", entry.name, "'");
-    TORCH_CHECK(at::IntArrayRef(source.shape(entry.name)) == entry.tensor.sizes(), shape_message(entry, entry.name, source,
-                                                                                                  entry.tensor.sizes()));
+    TORCH_CHECK(at::IntArrayRef(source.shape(entry.name)) == entry.tensor.sizes(),
+                shape_message(entry, entry.name, source, entry.tensor.sizes()));
     copy_into_model(entry, source.rows(entry.name, 0, entry.tensor.dim() == 0 ? 1 : entry.tensor.size(0)));
   }
 }
@@ -411,7 +417,8 @@ OptimizerStateDict optimizer_state_dict(torch::nn::Module& model, torch::optim::
       const ModelTensor& entry = *owner->second;
       // Its state would be saved twice, a checkpoint no loader takes; its step also ran twice.
       TORCH_CHECK(listed.insert(parameter.unsafeGetTensorImpl()).second, "optimizer state dict: the optimizer holds '",
-                  entry.name, "' more than once (a tied weight taken from module->parameters(), which lists it once "
+                  entry.name,
+                  "' more than once (a tied weight taken from module->parameters(), which lists it once "
                   "for each module that holds it?); each step updated it twice, and PyTorch warns about such an "
                   "optimizer. Build the optimizer from each parameter once");
       names.push_back(entry.name);
@@ -458,7 +465,8 @@ OptimizerStateDict sharded_optimizer_state_dict(torch::nn::Module& model, torch:
   return optimizer_state_dict(model, optimizer, std::nullopt);
 }
 
-OptimizerStateDict detail::sharded_optimizer_state_dict_views(torch::nn::Module& model, torch::optim::Optimizer& optimizer) {
+OptimizerStateDict detail::sharded_optimizer_state_dict_views(torch::nn::Module& model,
+                                                              torch::optim::Optimizer& optimizer) {
   return optimizer_state_dict(model, optimizer, std::nullopt, /*views=*/true);
 }
 
@@ -500,11 +508,10 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
   for (size_t group_index = 0; group_index < param_groups.size(); ++group_index) {
     auto& group = param_groups[group_index];
     const auto& values = groups[group_index];
-    TORCH_CHECK(values.contains("params") && values["params"].is_array() &&
-                    values["params"].size() == group.params().size(),
-                "optimizer checkpoint group ", group_index, " lists ",
-                values.contains("params") ? values["params"].size() : 0, " parameters but the optimizer's has ",
-                group.params().size());
+    TORCH_CHECK(
+        values.contains("params") && values["params"].is_array() && values["params"].size() == group.params().size(),
+        "optimizer checkpoint group ", group_index, " lists ", values.contains("params") ? values["params"].size() : 0,
+        " parameters but the optimizer's has ", group.params().size());
     for (size_t index = 0; index < group.params().size(); ++index) {
       const auto& parameter = group.params()[index];
       auto owner = owners.find(parameter.unsafeGetTensorImpl());
@@ -516,8 +523,8 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
                   "' but the optimizer has '", entry.name, "' there; build the optimizer the way it was saved");
       std::vector<std::pair<std::string, at::Tensor>> fields;
       const std::string prefix = "state." + saved_name + ".";
-      for (const char* field : {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum",
-                                "square_avg", "grad_avg"}) {
+      for (const char* field :
+           {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer", "sum", "square_avg", "grad_avg"}) {
         const std::string name = prefix + field;
         if (!tensors.contains(name)) continue;
         const auto shape = tensors.shape(name);
@@ -529,8 +536,8 @@ void load_optimizer_state_dict_unchecked(torch::nn::Module& model, torch::optim:
         } else {
           local = tensors.rows(name, 0, shape.empty() ? 1 : shape[0]).reshape(shape).clone();
         }
-        TORCH_CHECK(std::string(field) == "step" || local.sizes() == parameter.sizes(), "optimizer state '", name, "' in ",
-                    tensors.description(), " has shape ", shape_text(shape), " but parameter '", entry.name,
+        TORCH_CHECK(std::string(field) == "step" || local.sizes() == parameter.sizes(), "optimizer state '", name,
+                    "' in ", tensors.description(), " has shape ", shape_text(shape), " but parameter '", entry.name,
                     "' has shape ", shape_text(global_shape(entry)), "; the checkpoint belongs to another model");
         fields.emplace_back(field, local.contiguous());
       }
@@ -585,7 +592,8 @@ void load_optimizer_state_dict_from_rank0(torch::nn::Module& model, torch::optim
   // tensor moves, so every rank issues the same broadcasts.
   std::string header;
   if (is_source) {
-    nlohmann::json description = {{"optimizer", state->optimizer}, {"param_groups", state->param_groups_json},
+    nlohmann::json description = {{"optimizer", state->optimizer},
+                                  {"param_groups", state->param_groups_json},
                                   {"tensors", nlohmann::json::array()}};
     for (const auto& [name, tensor] : state->tensors) {
       description["tensors"].push_back(
@@ -605,7 +613,8 @@ void load_optimizer_state_dict_from_rank0(torch::nn::Module& model, torch::optim
     const auto name = listed[index][0].get<std::string>();
     const auto shape = listed[index][1].get<std::vector<int64_t>>();
     const auto dtype = static_cast<c10::ScalarType>(listed[index][2].get<int>());
-    at::Tensor full = is_source ? state->tensors[index].second.local.contiguous() : at::empty(shape, at::TensorOptions().dtype(dtype));
+    at::Tensor full = is_source ? state->tensors[index].second.local.contiguous()
+                                : at::empty(shape, at::TensorOptions().dtype(dtype));
     broadcast(context.world(), full, 0);
     // "state.<parameter>.<field>": keep exactly what load_optimizer_state_dict will ask for, this
     // rank's rows or the whole tensor (state_takes_shard_rows).
@@ -630,7 +639,8 @@ c10::IValue optimizer_state_dict_to_ivalue(const OptimizerStateDict& state) {
   c10::impl::GenericDict per_parameter(c10::StringType::get(), c10::AnyType::get());
   std::map<std::string, c10::Dict<std::string, at::Tensor>> fields;
   for (const auto& group : groups) {
-    for (const auto& name : group["params"]) fields.emplace(name.get<std::string>(), c10::Dict<std::string, at::Tensor>());
+    for (const auto& name : group["params"])
+      fields.emplace(name.get<std::string>(), c10::Dict<std::string, at::Tensor>());
   }
   for (const auto& [key, tensor] : state.tensors) {
     // "state.<parameter>.<field>": the field is the last component; parameter names contain dots.
@@ -686,7 +696,8 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
   for (const auto& parameter : dict.at("state").toGenericDict()) {
     if (!parameter.key().isString() || !parameter.value().isGenericDict()) fail("'state' has a malformed entry");
     for (const auto& field : parameter.value().toGenericDict()) {
-      if (!field.key().isString() || !field.value().isTensor()) fail("state of '" + parameter.key().toStringRef() + "' has a non-tensor field");
+      if (!field.key().isString() || !field.value().isTensor())
+        fail("state of '" + parameter.key().toStringRef() + "' has a non-tensor field");
       ShardedTensor tensor;
       tensor.local = field.value().toTensor();
       tensor.global_shape = tensor.local.sizes().vec();
@@ -704,13 +715,18 @@ OptimizerStateDict optimizer_state_dict_from_ivalue(const c10::IValue& value, co
       if (!entry.key().isString()) fail("a parameter group has a key that is not a string");
       const auto& key = entry.key().toStringRef();
       const auto& field = entry.value();
-      if (field.isDouble()) values[key] = field.toDouble();
-      else if (field.isInt()) values[key] = field.toInt();
-      else if (field.isBool()) values[key] = field.toBool();
-      else if (field.isNone()) values[key] = nullptr;  // PyTorch's foreach and fused
+      if (field.isDouble())
+        values[key] = field.toDouble();
+      else if (field.isInt())
+        values[key] = field.toInt();
+      else if (field.isBool())
+        values[key] = field.toBool();
+      else if (field.isNone())
+        values[key] = nullptr;  // PyTorch's foreach and fused
       else if (field.isTuple()) {
         const auto& elements = field.toTupleRef().elements();
-        if (elements.size() != 2 || !elements[0].isDouble() || !elements[1].isDouble()) fail("'" + key + "' is not a pair of numbers");
+        if (elements.size() != 2 || !elements[0].isDouble() || !elements[1].isDouble())
+          fail("'" + key + "' is not a pair of numbers");
         values[key] = {elements[0].toDouble(), elements[1].toDouble()};
       } else if (field.isList()) {
         auto names = nlohmann::json::array();

@@ -1,6 +1,5 @@
-#include <fsdp/state_dict_options.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/state_dict_options.h>
 
 namespace fsdp {
 

@@ -1,15 +1,13 @@
 // `fsdp config show` and `fsdp to-fsdp2`.
-#include "cli/commands.h"
-
-#include "io/atomic_file.h"
-
+#include <c10/util/Exception.h>
 #include <fsdp/accelerate_config.h>
 #include <fsdp/plugin.h>
 
-#include <c10/util/Exception.h>
-
 #include <filesystem>
 #include <iostream>
+
+#include "cli/commands.h"
+#include "io/atomic_file.h"
 
 namespace fsdp::cli {
 

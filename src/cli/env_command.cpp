@@ -1,25 +1,40 @@
 // `fsdp env`: what a user pastes into a bug report.
-#include "cli/commands.h"
-
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
 #include <fsdp/device.h>
 #include <fsdp/distributed_environment.h>
 #include <fsdp/version.h>
 
-#include <ATen/Parallel.h>
-#include <c10/util/Exception.h>
-
 #include <iostream>
 #include <thread>
+
+#include "cli/commands.h"
 
 namespace fsdp::cli {
 namespace {
 
 bool is_reported_variable(const std::string& name) {
-  static const std::vector<std::string> prefixes = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK",
-                                                    "ROLE_", "MASTER_", "TORCHELASTIC_", "OMPI_COMM_WORLD_", "PMI_",
-                                                    "MPI_LOCAL", "MV2_COMM_WORLD_", "SLURM_PROCID", "SLURM_NTASKS",
-                                                    "SLURM_LOCALID", "SLURM_NODEID", "SLURM_TASKS_PER_NODE",
-                                                    "SLURM_JOB_NODELIST", "FSDP_", "ACCELERATE_", "GLOO_",
+  static const std::vector<std::string> prefixes = {"RANK",
+                                                    "WORLD_SIZE",
+                                                    "LOCAL_RANK",
+                                                    "LOCAL_WORLD_SIZE",
+                                                    "GROUP_RANK",
+                                                    "ROLE_",
+                                                    "MASTER_",
+                                                    "TORCHELASTIC_",
+                                                    "OMPI_COMM_WORLD_",
+                                                    "PMI_",
+                                                    "MPI_LOCAL",
+                                                    "MV2_COMM_WORLD_",
+                                                    "SLURM_PROCID",
+                                                    "SLURM_NTASKS",
+                                                    "SLURM_LOCALID",
+                                                    "SLURM_NODEID",
+                                                    "SLURM_TASKS_PER_NODE",
+                                                    "SLURM_JOB_NODELIST",
+                                                    "FSDP_",
+                                                    "ACCELERATE_",
+                                                    "GLOO_",
                                                     "OMP_NUM_THREADS"};
   for (const auto& prefix : prefixes) {
     if (name.rfind(prefix, 0) == 0) return true;

@@ -1,23 +1,22 @@
 // `fsdp estimate-memory`: what a Llama costs each rank under FSDP, before the job runs (Note
 // [estimating memory per rank], include/fsdp/memory_estimate.h). Accelerate's `accelerate
 // estimate-memory` answers for one process; this one divides by the ranks as the engine does.
-#include "cli/commands.h"
-#include "cli/human_bytes.h"
-#include "io/read_only_file.h"
-
+#include <c10/util/Exception.h>
 #include <fsdp/memory_estimate.h>
 #include <fsdp/merge.h>
 #include <fsdp/meta_device.h>
 #include <fsdp/models/llama.h>
 #include <fsdp/plugin.h>
 
-#include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
-
 #include <cstdio>
 #include <filesystem>
 #include <iostream>
+#include <nlohmann/json.hpp>
 #include <sstream>
+
+#include "cli/commands.h"
+#include "cli/human_bytes.h"
+#include "io/read_only_file.h"
 
 namespace fsdp::cli {
 namespace {
@@ -59,8 +58,8 @@ models::LlamaConfig read_llama_config(const std::string& path, std::vector<std::
 /// intermediate size and 3 rows of attention scores; then the logits about 3 times. With activation
 /// checkpointing a layer keeps only its input, and one layer at a time recomputes the rest. An
 /// estimate: the allocator's reuse and libtorch's own temporaries are not modelled.
-int64_t llama_activation_bytes(const models::LlamaConfig& config, int64_t micro_batch, int64_t seq_len, int64_t dtype_bytes,
-                               bool checkpointing) {
+int64_t llama_activation_bytes(const models::LlamaConfig& config, int64_t micro_batch, int64_t seq_len,
+                               int64_t dtype_bytes, bool checkpointing) {
   const double tokens = static_cast<double>(micro_batch) * static_cast<double>(seq_len);
   const double kv = static_cast<double>(config.num_key_value_heads * config.head_dim());
   const double per_layer = 19.0 * config.hidden_size + 6.0 * kv + 4.0 * config.intermediate_size +
@@ -92,13 +91,14 @@ int run_estimate(const EstimateSettings& settings) {
   TORCH_CHECK(settings.config.empty() != settings.preset.empty(),
               "estimate-memory: give the model as --config config.json or as --preset NAME (one of them)");
   std::vector<std::string> notes;
-  const models::LlamaConfig config =
-      settings.preset.empty() ? read_llama_config(settings.config, notes) : models::LlamaConfig::preset(settings.preset);
+  const models::LlamaConfig config = settings.preset.empty() ? read_llama_config(settings.config, notes)
+                                                             : models::LlamaConfig::preset(settings.preset);
 
   MemoryEstimateOptions options;
   options.world_size = settings.num_processes;
   options.ranks_per_machine = settings.ranks_per_machine;
-  options.sharding_strategy = parse_sharding_strategy(settings.sharding_strategy, "--sharding-strategy", "the command line");
+  options.sharding_strategy =
+      parse_sharding_strategy(settings.sharding_strategy, "--sharding-strategy", "the command line");
   if (!settings.reshard_after_forward.empty()) {
     const std::string& text = settings.reshard_after_forward;
     if (text == "true" || text == "false") {
@@ -115,8 +115,10 @@ int run_estimate(const EstimateSettings& settings) {
     options.mixed_precision.reduce_dtype = dtype;
   }
   options.optimizer = parse_optimizer_kind(settings.optimizer, "--optimizer");
-  TORCH_CHECK(settings.wrap == "accelerate" || settings.wrap == "layers", "estimate-memory: --wrap takes accelerate or "
-              "layers, got '", settings.wrap, "'");
+  TORCH_CHECK(settings.wrap == "accelerate" || settings.wrap == "layers",
+              "estimate-memory: --wrap takes accelerate or "
+              "layers, got '",
+              settings.wrap, "'");
   options.validate();
 
   // The model on the meta device: its real shapes, no memory, whatever its size.
@@ -126,23 +128,26 @@ int run_estimate(const EstimateSettings& settings) {
     model = models::LlamaForCausalLM(config).ptr();
   }
   std::vector<UnitModules> units;
-  if (settings.wrap == "accelerate" && !config.tie_word_embeddings) units.push_back({{model->model->embed_tokens.ptr()}});
+  if (settings.wrap == "accelerate" && !config.tie_word_embeddings)
+    units.push_back({{model->model->embed_tokens.ptr()}});
   for (auto& layer : model->model->decoder_layers) units.push_back({{layer.ptr()}});
   if (settings.wrap == "accelerate") {
     // fsdp2_prepare_model's tail: the final norm with the output embedding, kept after forward.
     UnitModules tail{{model->model->norm.ptr()}, /*reshard_after_forward=*/false};
-    tail.modules.push_back(config.tie_word_embeddings ? std::shared_ptr<torch::nn::Module>(model->model->embed_tokens.ptr())
-                                                      : std::shared_ptr<torch::nn::Module>(model->lm_head.ptr()));
+    tail.modules.push_back(config.tie_word_embeddings
+                               ? std::shared_ptr<torch::nn::Module>(model->model->embed_tokens.ptr())
+                               : std::shared_ptr<torch::nn::Module>(model->lm_head.ptr()));
     units.push_back(tail);
   }
   const auto estimate = estimate_memory(unit_shapes(*model, units), options);
 
-  const int64_t seq_len = settings.seq_len > 0 ? settings.seq_len : std::min<int64_t>(2048, config.max_position_embeddings);
+  const int64_t seq_len =
+      settings.seq_len > 0 ? settings.seq_len : std::min<int64_t>(2048, config.max_position_embeddings);
   TORCH_CHECK(settings.micro_batch_size > 0, "estimate-memory: --micro-batch-size must be positive");
   const auto compute_dtype = options.mixed_precision.param_dtype.value_or(options.storage_dtype);
   const int64_t activations =
-      llama_activation_bytes(config, settings.micro_batch_size, seq_len, static_cast<int64_t>(c10::elementSize(compute_dtype)),
-                             settings.activation_checkpointing);
+      llama_activation_bytes(config, settings.micro_batch_size, seq_len,
+                             static_cast<int64_t>(c10::elementSize(compute_dtype)), settings.activation_checkpointing);
   const int64_t peak_with = estimate.peak_bytes(true) + activations;
   const int64_t peak_without = estimate.peak_bytes(false) + activations;
   std::optional<int64_t> memory;
@@ -192,16 +197,20 @@ int run_estimate(const EstimateSettings& settings) {
     }
     std::cout << out.dump() << std::endl;
   } else {
-    std::printf("Llama, %.1f M parameters, %lld units (%s wrap); %lld ranks, %lld per machine; %s%s%s; shard group %lld, "
-                "%lld replicas\n",
-                estimate.parameters / 1e6, static_cast<long long>(estimate.units), settings.wrap.c_str(),
-                static_cast<long long>(options.world_size),
-                static_cast<long long>(options.ranks_per_machine == 0 ? options.world_size : options.ranks_per_machine),
-                strategy.c_str(), reshard.empty() ? "" : ", reshard_after_forward ", reshard.c_str(),
-                static_cast<long long>(estimate.shard_group_size), static_cast<long long>(estimate.replicate_group_size));
-    std::printf("parameters stored fp32, compute %s, %s\n\n", settings.mixed_precision == "no" ? "fp32" : settings.mixed_precision.c_str(),
+    std::printf(
+        "Llama, %.1f M parameters, %lld units (%s wrap); %lld ranks, %lld per machine; %s%s%s; shard group %lld, "
+        "%lld replicas\n",
+        estimate.parameters / 1e6, static_cast<long long>(estimate.units), settings.wrap.c_str(),
+        static_cast<long long>(options.world_size),
+        static_cast<long long>(options.ranks_per_machine == 0 ? options.world_size : options.ranks_per_machine),
+        strategy.c_str(), reshard.empty() ? "" : ", reshard_after_forward ", reshard.c_str(),
+        static_cast<long long>(estimate.shard_group_size), static_cast<long long>(estimate.replicate_group_size));
+    std::printf("parameters stored fp32, compute %s, %s\n\n",
+                settings.mixed_precision == "no" ? "fp32" : settings.mixed_precision.c_str(),
                 to_string(options.optimizer));
-    auto row = [](const std::string& what, int64_t bytes) { std::printf("  %-58s %12s\n", what.c_str(), human_bytes(bytes, 2).c_str()); };
+    auto row = [](const std::string& what, int64_t bytes) {
+      std::printf("  %-58s %12s\n", what.c_str(), human_bytes(bytes, 2).c_str());
+    };
     std::printf("per rank\n");
     row("parameters (this rank's shards)", estimate.parameter_bytes);
     row("gradients", estimate.gradient_bytes);
@@ -210,8 +219,8 @@ int run_estimate(const EstimateSettings& settings) {
     row("unsharded parameters held at once, with prefetch", estimate.unsharded_peak_bytes_with_prefetch);
     row("unsharded parameters held at once, without prefetch", estimate.unsharded_peak_bytes_without_prefetch);
     row("one unit's gradients while it is reduced", estimate.unsharded_gradient_bytes);
-    row("activations (an estimate: " + std::to_string(settings.micro_batch_size) + " x " + std::to_string(seq_len) + " tokens" +
-            (settings.activation_checkpointing ? ", checkpointed)" : ")"),
+    row("activations (an estimate: " + std::to_string(settings.micro_batch_size) + " x " + std::to_string(seq_len) +
+            " tokens" + (settings.activation_checkpointing ? ", checkpointed)" : ")"),
         activations);
     row("peak, with prefetch", peak_with);
     row("peak, without prefetch", peak_without);
@@ -241,26 +250,35 @@ Command add_estimate_command(CLI::App& parent) {
       "exceeds --memory-per-rank.");
   auto settings = std::make_shared<EstimateSettings>();
   app->add_option("--config", settings->config, "A Llama config.json, or a Hugging Face model directory");
-  app->add_option("--preset", settings->preset, "A train_llama preset (tiny, small, medium, large, llama3-1b, llama3-8b, llama3-70b)");
-  app->add_option("--num-processes", settings->num_processes, "Ranks in the job")->required()->check(CLI::PositiveNumber);
+  app->add_option("--preset", settings->preset,
+                  "A train_llama preset (tiny, small, medium, large, llama3-1b, llama3-8b, llama3-70b)");
+  app->add_option("--num-processes", settings->num_processes, "Ranks in the job")
+      ->required()
+      ->check(CLI::PositiveNumber);
   app->add_option("--ranks-per-machine", settings->ranks_per_machine,
                   "Ranks on one machine (HYBRID_SHARD shards over them); default: all on one")
       ->check(CLI::NonNegativeNumber);
-  app->add_option("--sharding-strategy", settings->sharding_strategy, "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
-                  "HYBRID_SHARD_ZERO2")->capture_default_str();
+  app->add_option("--sharding-strategy", settings->sharding_strategy,
+                  "FULL_SHARD, SHARD_GRAD_OP, NO_SHARD, HYBRID_SHARD, "
+                  "HYBRID_SHARD_ZERO2")
+      ->capture_default_str();
   app->add_option("--reshard-after-forward", settings->reshard_after_forward,
                   "true, false or a group size (hpZ); default: the strategy's");
   app->add_option("--mixed-precision", settings->mixed_precision, "no, bf16, fp16 (compute and reduction dtype)")
       ->capture_default_str();
   app->add_option("--optimizer", settings->optimizer, "adamw (or adam), sgd-momentum, sgd")->capture_default_str();
-  app->add_option("--wrap", settings->wrap, "accelerate (Accelerator / train_llama: embedding, layers, tail) or layers "
-                  "(each decoder layer and the root)")->capture_default_str();
+  app->add_option("--wrap", settings->wrap,
+                  "accelerate (Accelerator / train_llama: embedding, layers, tail) or layers "
+                  "(each decoder layer and the root)")
+      ->capture_default_str();
   app->add_option("--micro-batch-size", settings->micro_batch_size, "Sequences per rank per forward (activations)")
       ->capture_default_str();
-  app->add_option("--seq-len", settings->seq_len, "Tokens per sequence (activations); default: 2048 or the model's maximum");
+  app->add_option("--seq-len", settings->seq_len,
+                  "Tokens per sequence (activations); default: 2048 or the model's maximum");
   app->add_flag("--activation-checkpointing", settings->activation_checkpointing,
                 "Each decoder layer recomputes its activations in backward (activations)");
-  app->add_option("--memory-per-rank", settings->memory_per_rank, "Memory each rank has, e.g. 16GB: says whether it fits");
+  app->add_option("--memory-per-rank", settings->memory_per_rank,
+                  "Memory each rank has, e.g. 16GB: says whether it fits");
   app->add_flag("--json", settings->json, "One JSON object instead of the table");
   return {app, [settings] { return run_estimate(*settings); }};
 }

@@ -1,15 +1,13 @@
 // `fsdp launch`: thin CLI over launch/launcher.h.
-#include "cli/commands.h"
-
-#include "launch/launcher.h"
-
-#include <fsdp/accelerate_config.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/accelerate_config.h>
 
 #include <algorithm>
 #include <iostream>
 #include <optional>
+
+#include "cli/commands.h"
+#include "launch/launcher.h"
 
 namespace fsdp::cli {
 
@@ -24,14 +22,14 @@ void apply_config_to_launch(const AccelerateConfig& config, const CLI::App& app,
   }
   if (config.num_processes && app.count("--nproc-per-node") == 0) {
     TORCH_CHECK(*config.num_processes % options.nnodes == 0, "config file '", config.path, "': num_processes ",
-                *config.num_processes, " is not a multiple of ",
-                nnodes_given ? "--nnodes (its MAX) " : "num_machines ", options.nnodes,
-                "; every machine runs the same number of processes.");
+                *config.num_processes, " is not a multiple of ", nnodes_given ? "--nnodes (its MAX) " : "num_machines ",
+                options.nnodes, "; every machine runs the same number of processes.");
     options.nproc_per_node = *config.num_processes / options.nnodes;
   }
   if (config.machine_rank && app.count("--node-rank") == 0) options.node_rank = *config.machine_rank;
   if (config.main_process_ip && app.count("--master-addr") == 0) options.master_addr = *config.main_process_ip;
-  if (config.main_process_port && app.count("--master-port") == 0) options.master_port = static_cast<int>(*config.main_process_port);
+  if (config.main_process_port && app.count("--master-port") == 0)
+    options.master_port = static_cast<int>(*config.main_process_port);
 }
 
 // torchrun's --nnodes: "N" or "MIN:MAX".
@@ -71,7 +69,8 @@ void parse_rdzv_conf(const std::string& text, detail::LaunchOptions& options) {
     const auto equals = item.find('=');
     const auto name = item.substr(0, equals);
     TORCH_CHECK(equals != std::string::npos && (name == "join_timeout" || name == "last_call_timeout"),
-                "fsdp launch: --rdzv-conf '", item, "' is not join_timeout=SECONDS or last_call_timeout=SECONDS, "
+                "fsdp launch: --rdzv-conf '", item,
+                "' is not join_timeout=SECONDS or last_call_timeout=SECONDS, "
                 "the torchrun settings fsdp launch has (torchrun's other keys, such as read_timeout, do not apply "
                 "to its rendezvous).");
     double seconds = -1;
@@ -108,7 +107,8 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
       "Start PROGRAM on --nproc-per-node local processes with torchrun's variables (RANK, WORLD_SIZE, LOCAL_RANK, "
       "LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT; OMP_NUM_THREADS=1 unless set). When one process "
       "fails the others get SIGTERM, then SIGKILL after the grace period, and the launcher exits with the failing "
-      "process's exit code (or, with --max-restarts, starts them all again). Ctrl-C stops them all.\n\nUsage: fsdp launch [OPTIONS] -- PROGRAM [ARGS...]");
+      "process's exit code (or, with --max-restarts, starts them all again). Ctrl-C stops them all.\n\nUsage: fsdp "
+      "launch [OPTIONS] -- PROGRAM [ARGS...]");
   app->add_option("--nproc-per-node,--nproc_per_node", options->nproc_per_node, "Processes on this machine")
       ->capture_default_str();
   app->add_option_function<std::string>(
@@ -117,7 +117,8 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
          "(torchrun's; with --max-restarts)")
       ->default_str("1");
   app->add_option_function<std::string>(
-      "--rdzv-conf,--rdzv_conf", [options](const std::string& text) { as_usage_error([&] { parse_rdzv_conf(text, *options); }); },
+      "--rdzv-conf,--rdzv_conf",
+      [options](const std::string& text) { as_usage_error([&] { parse_rdzv_conf(text, *options); }); },
       "torchrun's rendezvous settings for a job of several machines: join_timeout=SECONDS (default 600), "
       "last_call_timeout=SECONDS (default 30), comma-separated");
   app->add_option("--node-rank,--node_rank", options->node_rank, "Index of this machine, in [0, nnodes)")
@@ -132,10 +133,9 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
                   "Times to start every process again after one fails (torchrun's flag): the processes see "
                   "TORCHELASTIC_RESTART_COUNT and resume from their latest complete checkpoint")
       ->capture_default_str();
-  app->add_flag("--rank-prefix,--rank_prefix", options->rank_prefix,
-                "Prefix every output line with \"[rank R]: \"");
+  app->add_flag("--rank-prefix,--rank_prefix", options->rank_prefix, "Prefix every output line with \"[rank R]: \"");
   app->add_option("--termination-grace", *grace_seconds,
-                   "Seconds between SIGTERM and SIGKILL when stopping the other processes")
+                  "Seconds between SIGTERM and SIGKILL when stopping the other processes")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 60.0));
   auto config_file = std::make_shared<std::string>();
@@ -146,7 +146,8 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
                   "Accelerate YAML config (`accelerate config` output): process counts, rendezvous and fsdp_config, "
                   "exported to the processes as FSDP_* variables; flags given here override it");
   app->add_flag("--use-fsdp,--use_fsdp", *use_fsdp, "Export FSDP settings even without distributed_type: FSDP");
-  app->add_option("--mixed-precision,--mixed_precision", *mixed_precision, "no, fp16, bf16 or fp8 (ACCELERATE_MIXED_PRECISION)");
+  app->add_option("--mixed-precision,--mixed_precision", *mixed_precision,
+                  "no, fp16, bf16 or fp8 (ACCELERATE_MIXED_PRECISION)");
   for (const auto& key : known_fsdp_config_keys()) {
     std::string dashed = key;
     std::replace(dashed.begin(), dashed.end(), '_', '-');
@@ -166,12 +167,14 @@ Command add_launch_command(CLI::App& parent, const std::vector<std::string>& com
       config = load_accelerate_config(*config_file);
       apply_config_to_launch(*config, *app, *options);
     }
-    auto fsdp = fsdp_launch_environment(config ? &*config : nullptr, *fsdp_flags, *use_fsdp,
-                                        mixed_precision->empty() ? std::nullopt : std::optional<std::string>(*mixed_precision));
+    auto fsdp =
+        fsdp_launch_environment(config ? &*config : nullptr, *fsdp_flags, *use_fsdp,
+                                mixed_precision->empty() ? std::nullopt : std::optional<std::string>(*mixed_precision));
     options->extra_environment = fsdp.variables;
     options->command = app->remaining();
-    TORCH_CHECK(options->command.empty() || command_after_separator.empty(), "fsdp launch: unexpected arguments before `--`: '",
-                options->command.front(), "'; put the program and all its arguments after `--`.");
+    TORCH_CHECK(options->command.empty() || command_after_separator.empty(),
+                "fsdp launch: unexpected arguments before `--`: '", options->command.front(),
+                "'; put the program and all its arguments after `--`.");
     if (options->command.empty()) options->command = command_after_separator;
     options->termination_grace = std::chrono::milliseconds(static_cast<int64_t>(*grace_seconds * 1000.0));
     options->report_restart = [](const std::string& line) { std::cerr << "fsdp launch: " << line << std::endl; };

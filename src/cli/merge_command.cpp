@@ -1,16 +1,16 @@
 // `fsdp merge-weights`: a sharded checkpoint directory into one model file (accelerate merge-weights).
-#include "cli/commands.h"
-#include "cli/human_bytes.h"
-
 #include <fsdp/distributed_environment.h>
 #include <fsdp/merge.h>
 #include <fsdp/process_group.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
 #include <iostream>
 #include <optional>
-#include <unistd.h>
+
+#include "cli/commands.h"
+#include "cli/human_bytes.h"
 
 namespace fsdp::cli {
 namespace {
@@ -30,8 +30,8 @@ std::function<void(int64_t, int64_t)> terminal_progress() {
     const int width = 30;
     const int filled = total > 0 ? static_cast<int>(width * written / total) : width;
     std::fprintf(stderr, "\rmerging [%s%s] %s / %s  %s/s  ETA %.0f s   ", std::string(filled, '#').c_str(),
-                 std::string(width - filled, ' ').c_str(), human_bytes(written, 1).c_str(), human_bytes(total, 1).c_str(),
-                 human_bytes(rate, 1).c_str(), eta);
+                 std::string(width - filled, ' ').c_str(), human_bytes(written, 1).c_str(),
+                 human_bytes(total, 1).c_str(), human_bytes(rate, 1).c_str(), eta);
     if (written >= total) std::fprintf(stderr, "\n");
     std::fflush(stderr);
   };
@@ -49,7 +49,9 @@ Command add_merge_command(CLI::App& parent) {
   auto options = std::make_shared<MergeOptions>();
   auto unsafe = std::make_shared<bool>(false);
   auto max_shard_size = std::make_shared<std::string>();
-  app->add_option("checkpoint_dir", *checkpoint_dir, "The sharded directory (fsdp.cpp's, or a PyTorch DCP model directory), e.g. CHECKPOINT/pytorch_model_fsdp_0")
+  app->add_option(
+         "checkpoint_dir", *checkpoint_dir,
+         "The sharded directory (fsdp.cpp's, or a PyTorch DCP model directory), e.g. CHECKPOINT/pytorch_model_fsdp_0")
       ->required();
   app->add_option("output_path", *output_path, "Directory for the merged files (created with its parents)")->required();
   app->add_flag("--unsafe-serialization,--unsafe_serialization", *unsafe,
@@ -57,18 +59,20 @@ Command add_merge_command(CLI::App& parent) {
   app->add_flag("--remove-checkpoint-dir,--remove_checkpoint_dir", options->remove_checkpoint_dir,
                 "Delete CHECKPOINT_DIR after the output is completely written (never after a failure)");
   // Given, even empty, it must be a size ('' is not "no limit"); a usage error (exit 2) otherwise.
-  auto* shard_option = app->add_option("--max-shard-size,--max_shard_size", *max_shard_size,
-                                       "Split into Hugging Face shards of at most SIZE (e.g. 5GB, 500MB) with model.safetensors.index.json")
-                           ->check(CLI::Validator(
-                               [](std::string& text) -> std::string {
-                                 try {
-                                   parse_byte_size(text);
-                                 } catch (const c10::Error& error) {
-                                   return error.what_without_backtrace();
-                                 }
-                                 return "";
-                               },
-                               "SIZE"));
+  auto* shard_option =
+      app->add_option(
+             "--max-shard-size,--max_shard_size", *max_shard_size,
+             "Split into Hugging Face shards of at most SIZE (e.g. 5GB, 500MB) with model.safetensors.index.json")
+          ->check(CLI::Validator(
+              [](std::string& text) -> std::string {
+                try {
+                  parse_byte_size(text);
+                } catch (const c10::Error& error) {
+                  return error.what_without_backtrace();
+                }
+                return "";
+              },
+              "SIZE"));
   app->add_flag("--overwrite", options->overwrite, "Replace output files that already exist");
   Command command;
   command.app = app;

@@ -1,4 +1,5 @@
 // Precompiled header for the command-line tool.
 #pragma once
 #include <torch/torch.h>
+
 #include <CLI/CLI.hpp>

@@ -1,11 +1,10 @@
 // `fsdp selftest`: checks every collective across the ranks of the job it runs in.
-#include "cli/commands.h"
-
-#include "dist/selftest.h"
-
 #include <fsdp/process_group.h>
 
 #include <iostream>
+
+#include "cli/commands.h"
+#include "dist/selftest.h"
 
 namespace fsdp::cli {
 

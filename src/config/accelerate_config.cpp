@@ -1,33 +1,45 @@
 // Accelerate YAML configs: loading, launcher export (as `accelerate launch`'s prepare_multi_gpu_env,
 // accelerate/utils/launch.py) and to-fsdp2 (as accelerate/commands/to_fsdp2.py).
+#include <c10/util/Exception.h>
 #include <fsdp/accelerate_config.h>
 #include <fsdp/plugin.h>
-
-#include "config/did_you_mean.h"
-#include "config/text.h"
-#include "io/read_only_file.h"
-
-#include <c10/util/Exception.h>
 #include <yaml-cpp/yaml.h>
 
 #include <algorithm>
 #include <filesystem>
 #include <sstream>
 
+#include "config/did_you_mean.h"
+#include "config/text.h"
+#include "io/read_only_file.h"
+
 namespace fsdp {
 namespace {
 
 // Top-level keys fsdp.cpp reads.
-const std::vector<std::string> kHandledKeys = {"distributed_type", "mixed_precision", "num_processes", "num_machines",
-                                               "machine_rank", "main_process_ip", "main_process_port", "fsdp_config"};
+const std::vector<std::string> kHandledKeys = {"distributed_type",  "mixed_precision", "num_processes",
+                                               "num_machines",      "machine_rank",    "main_process_ip",
+                                               "main_process_port", "fsdp_config"};
 // Keys `accelerate config` writes that do not change an FSDP run here; accepted and not used.
-const std::vector<std::string> kInertKeys = {"compute_environment", "debug", "downcast_bf16", "enable_cpu_affinity",
-                                             "gpu_ids", "main_training_function", "rdzv_backend", "same_network",
-                                             "tpu_env", "tpu_use_cluster", "tpu_use_sudo", "use_cpu", "tpu_name",
-                                             "tpu_zone", "dynamo_backend"};
+const std::vector<std::string> kInertKeys = {"compute_environment",
+                                             "debug",
+                                             "downcast_bf16",
+                                             "enable_cpu_affinity",
+                                             "gpu_ids",
+                                             "main_training_function",
+                                             "rdzv_backend",
+                                             "same_network",
+                                             "tpu_env",
+                                             "tpu_use_cluster",
+                                             "tpu_use_sudo",
+                                             "use_cpu",
+                                             "tpu_name",
+                                             "tpu_zone",
+                                             "dynamo_backend"};
 // Keys that configure something fsdp.cpp does not do: an error unless empty.
-const std::vector<std::string> kUnsupportedSections = {"deepspeed_config", "megatron_lm_config", "dynamo_config",
-                                                       "ipex_config", "mpirun_config", "fp8_config", "parallelism_config"};
+const std::vector<std::string> kUnsupportedSections = {"deepspeed_config",  "megatron_lm_config", "dynamo_config",
+                                                       "ipex_config",       "mpirun_config",      "fp8_config",
+                                                       "parallelism_config"};
 
 std::string scalar_text(const YAML::Node& node, const std::string& key, const std::string& path) {
   if (node.IsNull()) return "";
@@ -52,8 +64,8 @@ int64_t integer_value(const YAML::Node& node, const std::string& key, const std:
   } catch (const std::exception&) {
     used = 0;
   }
-  TORCH_CHECK(!text.empty() && used == text.size(), "config file '", path, "': key '", key, "' must be an integer, got '",
-              text, "'.");
+  TORCH_CHECK(!text.empty() && used == text.size(), "config file '", path, "': key '", key,
+              "' must be an integer, got '", text, "'.");
   return value;
 }
 
@@ -133,19 +145,31 @@ YAML::Node load_yaml(const std::string& yaml_text, const std::string& path) {
 }  // namespace
 
 const std::vector<std::string>& known_fsdp_config_keys() {
-  static const std::vector<std::string> keys = {
-      "fsdp_version", "fsdp_sharding_strategy", "fsdp_reshard_after_forward", "fsdp_offload_params",
-      "fsdp_min_num_params", "fsdp_auto_wrap_policy", "fsdp_transformer_layer_cls_to_wrap", "fsdp_backward_prefetch",
-      "fsdp_state_dict_type", "fsdp_forward_prefetch", "fsdp_use_orig_params", "fsdp_cpu_ram_efficient_loading",
-      "fsdp_sync_module_states", "fsdp_activation_checkpointing", "fsdp_activation_checkpointing_offload",
-      "fsdp_ignored_modules"};
+  static const std::vector<std::string> keys = {"fsdp_version",
+                                                "fsdp_sharding_strategy",
+                                                "fsdp_reshard_after_forward",
+                                                "fsdp_offload_params",
+                                                "fsdp_min_num_params",
+                                                "fsdp_auto_wrap_policy",
+                                                "fsdp_transformer_layer_cls_to_wrap",
+                                                "fsdp_backward_prefetch",
+                                                "fsdp_state_dict_type",
+                                                "fsdp_forward_prefetch",
+                                                "fsdp_use_orig_params",
+                                                "fsdp_cpu_ram_efficient_loading",
+                                                "fsdp_sync_module_states",
+                                                "fsdp_activation_checkpointing",
+                                                "fsdp_activation_checkpointing_offload",
+                                                "fsdp_ignored_modules"};
   return keys;
 }
 
 AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std::string& path) {
   YAML::Node root = load_yaml(yaml_text, path);
-  TORCH_CHECK(root.IsMap(), "config file '", path, "' must be a YAML mapping of keys to values (as `accelerate config` "
-                            "writes); it is ", root.IsNull() ? "empty" : "not a mapping", ".");
+  TORCH_CHECK(root.IsMap(), "config file '", path,
+              "' must be a YAML mapping of keys to values (as `accelerate config` "
+              "writes); it is ",
+              root.IsNull() ? "empty" : "not a mapping", ".");
   AccelerateConfig config;
   config.path = path;
   std::vector<std::string> all_keys = kHandledKeys;
@@ -181,7 +205,8 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
                   "' is not supported by fsdp.cpp; expected one of FSDP, MULTI_CPU, MULTI_GPU, NO.");
     } else if (key == "mixed_precision") {
       config.mixed_precision = detail::to_lower(scalar_text(value, key, path));
-      if (*config.mixed_precision != "no") mixed_precision_dtype(*config.mixed_precision, "config file '" + path + "': mixed_precision");
+      if (*config.mixed_precision != "no")
+        mixed_precision_dtype(*config.mixed_precision, "config file '" + path + "': mixed_precision");
     } else if (key == "num_processes") {
       config.num_processes = integer_value(value, key, path);
     } else if (key == "num_machines") {
@@ -196,7 +221,8 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
       if (value.IsNull()) continue;
       TORCH_CHECK(value.IsMap(), "config file '", path, "': fsdp_config must be a mapping of fsdp_* keys.");
       for (const auto& fsdp_entry : value) {
-        TORCH_CHECK(fsdp_entry.first.IsScalar(), "config file '", path, "': every fsdp_config key must be a plain name.");
+        TORCH_CHECK(fsdp_entry.first.IsScalar(), "config file '", path,
+                    "': every fsdp_config key must be a plain name.");
         const std::string raw_key = fsdp_entry.first.Scalar();
         const std::string fsdp_key = normalized_fsdp_key(raw_key);
         const auto& known = known_fsdp_config_keys();
@@ -221,8 +247,9 @@ AccelerateConfig load_accelerate_config(const std::string& path) {
   return parse_accelerate_config(read_config_file(path), path);
 }
 
-FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, const std::map<std::string, std::string>& flags,
-                                              bool use_fsdp_flag, const std::optional<std::string>& mixed_precision_flag) {
+FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
+                                              const std::map<std::string, std::string>& flags, bool use_fsdp_flag,
+                                              const std::optional<std::string>& mixed_precision_flag) {
   FsdpLaunchEnvironment result;
   result.use_fsdp = use_fsdp_flag || (config && config->distributed_type == std::string("FSDP"));
   if (!result.use_fsdp) {
@@ -233,7 +260,8 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   // Flags override the file (as `accelerate launch`'s _validate_launch_command); remember which one spoke for each key.
   std::map<std::string, std::pair<std::string, std::string>> settings;  // key -> (value, origin)
   if (config) {
-    for (const auto& [key, value] : config->fsdp_config) settings[key] = {value, "fsdp_config." + key + " in " + config->path};
+    for (const auto& [key, value] : config->fsdp_config)
+      settings[key] = {value, "fsdp_config." + key + " in " + config->path};
   }
   for (const auto& [key, value] : flags) {
     std::string flag = key;
@@ -251,8 +279,10 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   };
   auto set_from = [&](const std::string& variable, const std::string& key, const std::optional<std::string>& fallback,
                       bool lowercase) {
-    if (auto found = value_of(key)) set(variable, lowercase ? detail::to_lower(found->first) : found->first, found->second);
-    else if (fallback) set(variable, *fallback, "launcher default");
+    if (auto found = value_of(key))
+      set(variable, lowercase ? detail::to_lower(found->first) : found->first, found->second);
+    else if (fallback)
+      set(variable, *fallback, "launcher default");
   };
 
   set("ACCELERATE_USE_FSDP", "true", "fsdp launch");
@@ -262,10 +292,14 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   // under fsdp_reshard_after_forward (which is where `accelerate config` writes it).
   auto strategy = value_of("fsdp_sharding_strategy");
   auto reshard = value_of("fsdp_reshard_after_forward");
-  const bool reshard_is_bool = reshard && (detail::to_lower(reshard->first) == "true" || detail::to_lower(reshard->first) == "false");
-  if (strategy) set("FSDP_SHARDING_STRATEGY", strategy->first, strategy->second);
-  else if (version == "1" && reshard && !reshard_is_bool) set("FSDP_SHARDING_STRATEGY", reshard->first, reshard->second);
-  else set("FSDP_SHARDING_STRATEGY", "FULL_SHARD", "launcher default");
+  const bool reshard_is_bool =
+      reshard && (detail::to_lower(reshard->first) == "true" || detail::to_lower(reshard->first) == "false");
+  if (strategy)
+    set("FSDP_SHARDING_STRATEGY", strategy->first, strategy->second);
+  else if (version == "1" && reshard && !reshard_is_bool)
+    set("FSDP_SHARDING_STRATEGY", reshard->first, reshard->second);
+  else
+    set("FSDP_SHARDING_STRATEGY", "FULL_SHARD", "launcher default");
   set_from("FSDP_RESHARD_AFTER_FORWARD", "fsdp_reshard_after_forward", std::string("true"), true);
   set_from("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", std::string("false"), true);
   set_from("FSDP_MIN_NUM_PARAMS", "fsdp_min_num_params", std::string("100000000"), false);
@@ -278,7 +312,8 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
   set_from("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading", std::string("true"), true);
   set_from("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states", std::string("true"), true);
   set_from("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing", std::string("false"), true);
-  set_from("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "fsdp_activation_checkpointing_offload", std::string("false"), true);
+  set_from("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "fsdp_activation_checkpointing_offload", std::string("false"),
+           true);
   set_from("FSDP_IGNORED_MODULES", "fsdp_ignored_modules", std::nullopt, false);
   if (version == "2") {
     // Accelerate's launcher exports these for every version; version 2 does not read them, so only a
@@ -290,13 +325,17 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config, co
       }
     }
   }
-  if (mixed_precision_flag) set("ACCELERATE_MIXED_PRECISION", detail::to_lower(*mixed_precision_flag), "--mixed-precision flag");
-  else if (config && config->mixed_precision) set("ACCELERATE_MIXED_PRECISION", *config->mixed_precision, "mixed_precision in " + config->path);
-  else set("ACCELERATE_MIXED_PRECISION", "no", "launcher default");  // as accelerate launch exports it
+  if (mixed_precision_flag)
+    set("ACCELERATE_MIXED_PRECISION", detail::to_lower(*mixed_precision_flag), "--mixed-precision flag");
+  else if (config && config->mixed_precision)
+    set("ACCELERATE_MIXED_PRECISION", *config->mixed_precision, "mixed_precision in " + config->path);
+  else
+    set("ACCELERATE_MIXED_PRECISION", "no", "launcher default");  // as accelerate launch exports it
 
   auto describe = [&](const std::string& variable) { return variable + " (from " + result.origins[variable] + ")"; };
   if (version == "1") {
-    const bool ram_efficient = parse_bool(result.variables["FSDP_CPU_RAM_EFFICIENT_LOADING"], describe("FSDP_CPU_RAM_EFFICIENT_LOADING"));
+    const bool ram_efficient =
+        parse_bool(result.variables["FSDP_CPU_RAM_EFFICIENT_LOADING"], describe("FSDP_CPU_RAM_EFFICIENT_LOADING"));
     const bool sync = parse_bool(result.variables["FSDP_SYNC_MODULE_STATES"], describe("FSDP_SYNC_MODULE_STATES"));
     TORCH_CHECK(!ram_efficient || sync, "fsdp launch: fsdp_cpu_ram_efficient_loading is true (",
                 result.origins["FSDP_CPU_RAM_EFFICIENT_LOADING"], ") but fsdp_sync_module_states is false (",
@@ -326,7 +365,8 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
       return reshards_after_forward(parse_sharding_strategy(value, raw_key, "fsdp_config." + raw_key + " in " + path));
     };
     bool has_reshard_key = false;
-    for (const auto& entry : fsdp) has_reshard_key |= normalized_fsdp_key(entry.first.Scalar()) == "fsdp_reshard_after_forward";
+    for (const auto& entry : fsdp)
+      has_reshard_key |= normalized_fsdp_key(entry.first.Scalar()) == "fsdp_reshard_after_forward";
     YAML::Node converted(YAML::NodeType::Map);
     for (const auto& entry : fsdp) {
       const std::string raw_key = entry.first.as<std::string>();
@@ -337,8 +377,8 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
         const bool reshard = to_bool(raw_key, value);
         converted["fsdp_reshard_after_forward"] = reshard;
         if (key == "fsdp_sharding_strategy") {
-          conversion.warnings.push_back("fsdp_sharding_strategy: " + value + " became fsdp_reshard_after_forward: " +
-                                        (reshard ? "true" : "false") + ".");
+          conversion.warnings.push_back("fsdp_sharding_strategy: " + value +
+                                        " became fsdp_reshard_after_forward: " + (reshard ? "true" : "false") + ".");
         }
       } else if (key == "fsdp_backward_prefetch" || key == "fsdp_sync_module_states" || key == "fsdp_use_orig_params") {
         conversion.warnings.push_back(key + " is not used by FSDP version 2; removed.");
@@ -348,7 +388,8 @@ Fsdp2Conversion convert_config_to_fsdp2(const std::string& yaml_text, const std:
         continue;
       } else {
         TORCH_CHECK(!(key == "fsdp_state_dict_type" && (detail::to_upper(value) == "LOCAL_STATE_DICT" || value == "2")),
-                    "config file '", path, "': fsdp_state_dict_type LOCAL_STATE_DICT does not exist in FSDP version 2; "
+                    "config file '", path,
+                    "': fsdp_state_dict_type LOCAL_STATE_DICT does not exist in FSDP version 2; "
                     "set it to SHARDED_STATE_DICT or FULL_STATE_DICT before converting.");
         converted[raw_key] = entry.second;
       }

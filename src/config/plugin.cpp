@@ -1,26 +1,25 @@
 // Resolution of FullyShardedDataParallelPlugin, following Accelerate's
 // FullyShardedDataParallelPlugin.__post_init__ (accelerate/utils/dataclasses.py)
 // step by step, with the deliberate fixes listed in include/fsdp/plugin.h.
-#include <fsdp/plugin.h>
-
-
-#include "config/did_you_mean.h"
-#include "config/text.h"
-
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
+#include <fsdp/plugin.h>
 
 #include <algorithm>
 #include <cctype>
 #include <initializer_list>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
+
+#include "config/did_you_mean.h"
+#include "config/text.h"
 
 namespace fsdp {
 namespace {
 
 bool is_digits(const std::string& text) {
-  return !text.empty() && std::all_of(text.begin(), text.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
+  return !text.empty() &&
+         std::all_of(text.begin(), text.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
 }
 
 template <class Enum>
@@ -92,9 +91,9 @@ EnumNames<Enum> named_by_to_string(std::initializer_list<Enum> values) {
 }
 
 const EnumNames<ShardingStrategy>& sharding_names() {
-  static const auto names = named_by_to_string({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp,
-                                                 ShardingStrategy::kNoShard, ShardingStrategy::kHybridShard,
-                                                 ShardingStrategy::kHybridShardZero2});
+  static const auto names =
+      named_by_to_string({ShardingStrategy::kFullShard, ShardingStrategy::kShardGradOp, ShardingStrategy::kNoShard,
+                          ShardingStrategy::kHybridShard, ShardingStrategy::kHybridShardZero2});
   return names;
 }
 
@@ -204,8 +203,9 @@ class Resolver {
     std::string origin;
     if (args_.fsdp_version) {
       origin = "argument";
-      text = std::holds_alternative<int64_t>(*args_.fsdp_version) ? std::to_string(std::get<int64_t>(*args_.fsdp_version))
-                                                                   : std::get<std::string>(*args_.fsdp_version);
+      text = std::holds_alternative<int64_t>(*args_.fsdp_version)
+                 ? std::to_string(std::get<int64_t>(*args_.fsdp_version))
+                 : std::get<std::string>(*args_.fsdp_version);
     } else if (auto found = environment_value("FSDP_VERSION")) {
       text = found->value;
       origin = found->origin;
@@ -213,8 +213,9 @@ class Resolver {
       text = "1";
       origin = "default";
     }
-    TORCH_CHECK(detail::trim(text) == "1" || detail::trim(text) == "2", "FullyShardedDataParallelPlugin: fsdp_version='", text,
-                "' (from ", origin, ") is not valid; expected 1 or 2.");
+    TORCH_CHECK(detail::trim(text) == "1" || detail::trim(text) == "2",
+                "FullyShardedDataParallelPlugin: fsdp_version='", text, "' (from ", origin,
+                ") is not valid; expected 1 or 2.");
     plugin_.fsdp_version = std::stoll(detail::trim(text));
     source("fsdp_version", origin);
   }
@@ -233,7 +234,8 @@ class Resolver {
                     std::get<bool>(*args_.reshard_after_forward) ? "true" : "false",
                     " (from argument) is a bool, which FSDP version 1 does not take; pass a strategy (",
                     sharding_names().accepted(), "), or set fsdp_version=2.");
-        explicit_reshard = sharding_names().parse_value("reshard_after_forward", *args_.reshard_after_forward, "argument");
+        explicit_reshard =
+            sharding_names().parse_value("reshard_after_forward", *args_.reshard_after_forward, "argument");
       }
       TORCH_CHECK(!explicit_strategy || !explicit_reshard || *explicit_strategy == *explicit_reshard,
                   "FullyShardedDataParallelPlugin: sharding_strategy=", to_string(*explicit_strategy),
@@ -280,9 +282,10 @@ class Resolver {
       } else if (auto size = text ? group_size_string(*text) : std::nullopt) {
         plugin_.reshard_after_forward = *size;
       } else {
-        std::string shown = std::holds_alternative<ShardingStrategy>(value) ? to_string(std::get<ShardingStrategy>(value))
-                            : std::holds_alternative<int64_t>(value)     ? std::to_string(std::get<int64_t>(value))
-                                                                          : std::get<std::string>(value);
+        std::string shown = std::holds_alternative<ShardingStrategy>(value)
+                                ? to_string(std::get<ShardingStrategy>(value))
+                            : std::holds_alternative<int64_t>(value) ? std::to_string(std::get<int64_t>(value))
+                                                                     : std::get<std::string>(value);
         TORCH_CHECK(false, "FullyShardedDataParallelPlugin: reshard_after_forward='", shown,
                     "' (from argument) is not supported with FSDP version 2; set a bool (true behaves as FULL_SHARD, "
                     "false as SHARD_GRAD_OP) or a group size of 2 or more (hpZ: parameters stay sharded over that "
@@ -299,8 +302,10 @@ class Resolver {
                   found->value, "' (from ", found->origin,
                   ") is not supported with FSDP version 2; expected a bool (true/false, yes/no, 1/0, ...) or a group "
                   "size of 2 or more (hpZ). `fsdp to-fsdp2` converts a version-1 config file.");
-      if (size) plugin_.reshard_after_forward = *size;
-      else plugin_.reshard_after_forward = parse_bool(found->value, "reshard_after_forward");
+      if (size)
+        plugin_.reshard_after_forward = *size;
+      else
+        plugin_.reshard_after_forward = parse_bool(found->value, "reshard_after_forward");
       source("reshard_after_forward", found->origin);
     } else {
       plugin_.reshard_after_forward = true;
@@ -310,8 +315,8 @@ class Resolver {
       plugin_.sharding_strategy = *explicit_strategy;
       source("sharding_strategy", "argument");
     } else {
-      plugin_.sharding_strategy =
-          static_cast<bool>(plugin_.reshard_after_forward) ? ShardingStrategy::kFullShard : ShardingStrategy::kShardGradOp;
+      plugin_.sharding_strategy = static_cast<bool>(plugin_.reshard_after_forward) ? ShardingStrategy::kFullShard
+                                                                                   : ShardingStrategy::kShardGradOp;
       source("sharding_strategy", "derived from reshard_after_forward");
     }
   }
@@ -332,8 +337,10 @@ class Resolver {
     }
     std::optional<std::variant<bool, std::string>> flag;
     if (args_.cpu_offload) {
-      if (auto* value = std::get_if<bool>(&*args_.cpu_offload)) flag = *value;
-      else flag = std::get<std::string>(*args_.cpu_offload);
+      if (auto* value = std::get_if<bool>(&*args_.cpu_offload))
+        flag = *value;
+      else
+        flag = std::get<std::string>(*args_.cpu_offload);
     }
     plugin_.cpu_offload.offload_params = parse_bool_setting("cpu_offload", flag, "FSDP_OFFLOAD_PARAMS", false);
   }
@@ -349,7 +356,8 @@ class Resolver {
       }
     } else if (auto found = environment_value("FSDP_BACKWARD_PREFETCH")) {
       source("backward_prefetch", found->origin);
-      if (detail::to_upper(detail::trim(found->value)) != "NO_PREFETCH") prefetch = prefetch_names().parse("backward_prefetch", found->value, found->origin);
+      if (detail::to_upper(detail::trim(found->value)) != "NO_PREFETCH")
+        prefetch = prefetch_names().parse("backward_prefetch", found->value, found->origin);
     } else {
       source("backward_prefetch", "default");
     }
@@ -393,8 +401,9 @@ class Resolver {
     if (args_.auto_wrap_policy && std::holds_alternative<AutoWrapCallable>(*args_.auto_wrap_policy)) {
       plugin_.auto_wrap_policy = AutoWrapKind::kCallable;
       plugin_.auto_wrap_callable = std::get<AutoWrapCallable>(*args_.auto_wrap_policy);
-      TORCH_CHECK(plugin_.auto_wrap_callable, "FullyShardedDataParallelPlugin: auto_wrap_policy (from argument) is an "
-                                              "empty function; pass a callable or a policy name.");
+      TORCH_CHECK(plugin_.auto_wrap_callable,
+                  "FullyShardedDataParallelPlugin: auto_wrap_policy (from argument) is an "
+                  "empty function; pass a callable or a policy name.");
       source("auto_wrap_policy", "argument");
     } else {
       if (args_.auto_wrap_policy) {
@@ -424,8 +433,9 @@ class Resolver {
     if (args_.transformer_cls_names_to_wrap) {
       const auto& value = *args_.transformer_cls_names_to_wrap;
       plugin_.transformer_cls_names_to_wrap =
-          std::holds_alternative<std::string>(value) ? split_class_names(std::get<std::string>(value), "argument")
-                                                      : clean_class_names(std::get<std::vector<std::string>>(value), "argument");
+          std::holds_alternative<std::string>(value)
+              ? split_class_names(std::get<std::string>(value), "argument")
+              : clean_class_names(std::get<std::vector<std::string>>(value), "argument");
       source("transformer_cls_names_to_wrap", "argument");
       if (plugin_.auto_wrap_policy != AutoWrapKind::kTransformerBasedWrap) {
         warn(std::string("transformer_cls_names_to_wrap is set but auto_wrap_policy is ") +
@@ -509,9 +519,10 @@ class Resolver {
       const char* variable;
       bool& target;
     };
-    for (VersionOneBool setting : {VersionOneBool{"use_orig_params", args_.use_orig_params, "FSDP_USE_ORIG_PARAMS", plugin_.use_orig_params},
-                                   VersionOneBool{"sync_module_states", args_.sync_module_states, "FSDP_SYNC_MODULE_STATES",
-                                                  plugin_.sync_module_states}}) {
+    for (VersionOneBool setting :
+         {VersionOneBool{"use_orig_params", args_.use_orig_params, "FSDP_USE_ORIG_PARAMS", plugin_.use_orig_params},
+          VersionOneBool{"sync_module_states", args_.sync_module_states, "FSDP_SYNC_MODULE_STATES",
+                         plugin_.sync_module_states}}) {
       if (plugin_.fsdp_version == 1) {
         // fsdp.cpp always trains the original parameters (no flat parameters), so use_orig_params
         // resolves to true unless set, and false is a warning (warn_about_values_without_effect).
@@ -531,14 +542,16 @@ class Resolver {
       }
     }
     if (plugin_.fsdp_version == 1) {
-      plugin_.forward_prefetch = parse_bool_setting("forward_prefetch", args_.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
+      plugin_.forward_prefetch =
+          parse_bool_setting("forward_prefetch", args_.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
     } else {
-      const bool requested = args_.forward_prefetch &&
-                             (std::holds_alternative<bool>(*args_.forward_prefetch)
-                                  ? std::get<bool>(*args_.forward_prefetch)
-                                  : parse_bool(std::get<std::string>(*args_.forward_prefetch), "forward_prefetch (from argument)"));
-      TORCH_CHECK(!requested, "FullyShardedDataParallelPlugin: forward_prefetch=true (from argument) is not implemented "
-                              "for FSDP version 2; leave it unset or use fsdp_version=1.");
+      const bool requested = args_.forward_prefetch && (std::holds_alternative<bool>(*args_.forward_prefetch)
+                                                            ? std::get<bool>(*args_.forward_prefetch)
+                                                            : parse_bool(std::get<std::string>(*args_.forward_prefetch),
+                                                                         "forward_prefetch (from argument)"));
+      TORCH_CHECK(!requested,
+                  "FullyShardedDataParallelPlugin: forward_prefetch=true (from argument) is not implemented "
+                  "for FSDP version 2; leave it unset or use fsdp_version=1.");
       plugin_.forward_prefetch = false;
       source("forward_prefetch", "default");
     }
@@ -557,15 +570,17 @@ class Resolver {
                 "; turn activation_checkpointing on, FSDP_ACTIVATION_CHECKPOINTING=true, or the offload off.)");
     TORCH_CHECK(!plugin_.activation_checkpointing_offload || plugin_.fsdp_version == 2,
                 "`activation_checkpointing_offload=True` requires `fsdp_version=2`. (activation_checkpointing_offload "
-                "from ", plugin_.sources["activation_checkpointing_offload"], ", fsdp_version ", plugin_.fsdp_version,
-                " from ", plugin_.sources["fsdp_version"], ".)");
+                "from ",
+                plugin_.sources["activation_checkpointing_offload"], ", fsdp_version ", plugin_.fsdp_version, " from ",
+                plugin_.sources["fsdp_version"], ".)");
     plugin_.cpu_ram_efficient_loading = parse_bool_setting("cpu_ram_efficient_loading", args_.cpu_ram_efficient_loading,
                                                            "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
     plugin_.limit_all_gathers = args_.limit_all_gathers.value_or(true);
     source("limit_all_gathers", args_.limit_all_gathers ? "argument" : "default");
     if (plugin_.fsdp_version == 1 && plugin_.cpu_ram_efficient_loading && !plugin_.sync_module_states) {
-      warn("sync_module_states cannot be false with cpu_ram_efficient_loading on (the other ranks start with empty "
-           "weights); setting sync_module_states to true.");
+      warn(
+          "sync_module_states cannot be false with cpu_ram_efficient_loading on (the other ranks start with empty "
+          "weights); setting sync_module_states to true.");
       plugin_.sync_module_states = true;
       source("sync_module_states", "derived from cpu_ram_efficient_loading");
     }
@@ -578,10 +593,12 @@ class Resolver {
       if (auto* text = std::get_if<std::string>(&*args_.ignored_modules)) {
         regex = Found{*text, "argument"};
       } else {
-        plugin_.ignored_modules.modules = std::get<std::vector<std::shared_ptr<torch::nn::Module>>>(*args_.ignored_modules);
+        plugin_.ignored_modules.modules =
+            std::get<std::vector<std::shared_ptr<torch::nn::Module>>>(*args_.ignored_modules);
         for (const auto& module : plugin_.ignored_modules.modules) {
-          TORCH_CHECK(module != nullptr, "FullyShardedDataParallelPlugin: ignored_modules (from argument) contains a "
-                                         "null module.");
+          TORCH_CHECK(module != nullptr,
+                      "FullyShardedDataParallelPlugin: ignored_modules (from argument) contains a "
+                      "null module.");
         }
       }
     } else if (auto found = environment_value("FSDP_IGNORED_MODULES")) {
@@ -634,13 +651,19 @@ class Resolver {
       TORCH_CHECK(dtype == c10::kFloat || dtype == c10::kHalf || dtype == c10::kBFloat16,
                   "FullyShardedDataParallelPlugin: mixed_precision_policy ", shown, " (from argument) has ", key, "=",
                   c10::toString(dtype), "; values must be Float, Half or BFloat16.");
-      if (key == "param_dtype") policy.param_dtype = dtype;
-      else if (key == "reduce_dtype") policy.reduce_dtype = dtype;
-      else if (key == "buffer_dtype") policy.buffer_dtype = dtype;
-      else if (key == "output_dtype") policy.output_dtype = dtype;
+      if (key == "param_dtype")
+        policy.param_dtype = dtype;
+      else if (key == "reduce_dtype")
+        policy.reduce_dtype = dtype;
+      else if (key == "buffer_dtype")
+        policy.buffer_dtype = dtype;
+      else if (key == "output_dtype")
+        policy.output_dtype = dtype;
       else
-        TORCH_CHECK(false, "FullyShardedDataParallelPlugin: mixed_precision_policy ", shown, " (from argument) has an "
-                           "unknown key '", key, "'; expected param_dtype, reduce_dtype, ", third, ".");
+        TORCH_CHECK(false, "FullyShardedDataParallelPlugin: mixed_precision_policy ", shown,
+                    " (from argument) has an "
+                    "unknown key '",
+                    key, "'; expected param_dtype, reduce_dtype, ", third, ".");
     }
     plugin_.mixed_precision_policy = policy;
   }
@@ -657,8 +680,10 @@ class Resolver {
   void validate_combinations() {
     TORCH_CHECK(!(plugin_.activation_checkpointing && plugin_.auto_wrap_policy == AutoWrapKind::kNoWrap),
                 "FullyShardedDataParallelPlugin: activation_checkpointing=true (from ",
-                plugin_.sources["activation_checkpointing"], ") needs an auto-wrap policy that picks the blocks to "
-                "checkpoint, but auto_wrap_policy is NO_WRAP (from ", plugin_.sources["auto_wrap_policy"],
+                plugin_.sources["activation_checkpointing"],
+                ") needs an auto-wrap policy that picks the blocks to "
+                "checkpoint, but auto_wrap_policy is NO_WRAP (from ",
+                plugin_.sources["auto_wrap_policy"],
                 "). Set auto_wrap_policy=TRANSFORMER_BASED_WRAP (FSDP_AUTO_WRAP_POLICY) with the block class names, "
                 "or turn activation checkpointing off.");
   }
@@ -685,12 +710,14 @@ class Resolver {
            "memory already.");
     }
     if (plugin_.state_dict_config_explicit) {
-      warn("state_dict_config.offload_to_cpu (from argument) has no effect in this CPU build: state dicts are in "
-           "host memory either way. Its rank0_only is honored.");
+      warn(
+          "state_dict_config.offload_to_cpu (from argument) has no effect in this CPU build: state dicts are in "
+          "host memory either way. Its rank0_only is honored.");
     }
     if (plugin_.optim_state_dict_config_explicit) {
-      warn("optim_state_dict_config.offload_to_cpu (from argument) has no effect in this CPU build: state dicts "
-           "are in host memory either way. Its rank0_only is honored.");
+      warn(
+          "optim_state_dict_config.offload_to_cpu (from argument) has no effect in this CPU build: state dicts "
+          "are in host memory either way. Its rank0_only is honored.");
     }
     if (plugin_.fsdp_version == 1 && !plugin_.use_orig_params) {
       warn("use_orig_params=false (from " + origin_of("use_orig_params") +
@@ -698,8 +725,9 @@ class Resolver {
            "the optimizer and state dicts see them, never a flat parameter.");
     }
     if (plugin_.fsdp_version == 2 && args_.limit_all_gathers) {
-      warn("limit_all_gathers (from argument) is not used by FSDP version 2, which bounds its all-gathers by "
-           "itself; ignoring the value given.");
+      warn(
+          "limit_all_gathers (from argument) is not used by FSDP version 2, which bounds its all-gathers by "
+          "itself; ignoring the value given.");
     }
   }
 
@@ -730,7 +758,8 @@ class Resolver {
     const Unread unread[] = {
         {"FSDP_FORWARD_PREFETCH", false, "version 2 prefetches the next unit's all-gather by itself",
          args_.forward_prefetch.has_value()},
-        {"FSDP_USE_ORIG_PARAMS", true, "version 2 always trains the original parameters", args_.use_orig_params.has_value()},
+        {"FSDP_USE_ORIG_PARAMS", true, "version 2 always trains the original parameters",
+         args_.use_orig_params.has_value()},
         {"FSDP_SYNC_MODULE_STATES", false,
          "version 2 does not broadcast rank 0's weights; use cpu_ram_efficient_loading for that",
          args_.sync_module_states.has_value()},
@@ -738,7 +767,8 @@ class Resolver {
     for (const auto& entry : unread) {
       auto found = environment_value(entry.variable);
       if (!found || entry.given_as_argument) continue;
-      if (auto described = origins_.find(entry.variable); described != origins_.end() && described->second == "launcher default") {
+      if (auto described = origins_.find(entry.variable);
+          described != origins_.end() && described->second == "launcher default") {
         continue;
       }
       const auto truth = truth_value(found->value);
@@ -769,14 +799,16 @@ const char* to_string(AutoWrapKind kind) {
   return "UNKNOWN";
 }
 
-ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field, const std::string& origin) {
+ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field,
+                                         const std::string& origin) {
   return sharding_names().parse(field, value, origin);
 }
 
 bool parse_bool(const std::string& value, const std::string& what) {
   if (auto truth = truth_value(value)) return *truth;
-  TORCH_CHECK(false, what, ": '", value, "' is not a truth value; expected one of y, yes, t, true, on, 1 or n, no, f, "
-                                          "false, off, 0 (case-insensitive).");
+  TORCH_CHECK(false, what, ": '", value,
+              "' is not a truth value; expected one of y, yes, t, true, on, 1 or n, no, f, "
+              "false, off, 0 (case-insensitive).");
 }
 
 bool fsdp_enabled_by_environment(const EnvironmentMap& environment) {
@@ -794,19 +826,29 @@ c10::ScalarType mixed_precision_dtype(const std::string& name, const std::string
 }
 
 const std::vector<std::string>& plugin_environment_variables() {
-  static const std::vector<std::string> variables = {
-      "FSDP_VERSION", "FSDP_SHARDING_STRATEGY", "FSDP_RESHARD_AFTER_FORWARD", "FSDP_OFFLOAD_PARAMS",
-      "FSDP_BACKWARD_PREFETCH", "FSDP_STATE_DICT_TYPE", "FSDP_AUTO_WRAP_POLICY", "FSDP_TRANSFORMER_CLS_TO_WRAP",
-      "FSDP_MIN_NUM_PARAMS", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES", "FSDP_FORWARD_PREFETCH",
-      "FSDP_ACTIVATION_CHECKPOINTING", "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "FSDP_CPU_RAM_EFFICIENT_LOADING",
-      "FSDP_IGNORED_MODULES"};
+  static const std::vector<std::string> variables = {"FSDP_VERSION",
+                                                     "FSDP_SHARDING_STRATEGY",
+                                                     "FSDP_RESHARD_AFTER_FORWARD",
+                                                     "FSDP_OFFLOAD_PARAMS",
+                                                     "FSDP_BACKWARD_PREFETCH",
+                                                     "FSDP_STATE_DICT_TYPE",
+                                                     "FSDP_AUTO_WRAP_POLICY",
+                                                     "FSDP_TRANSFORMER_CLS_TO_WRAP",
+                                                     "FSDP_MIN_NUM_PARAMS",
+                                                     "FSDP_USE_ORIG_PARAMS",
+                                                     "FSDP_SYNC_MODULE_STATES",
+                                                     "FSDP_FORWARD_PREFETCH",
+                                                     "FSDP_ACTIVATION_CHECKPOINTING",
+                                                     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
+                                                     "FSDP_CPU_RAM_EFFICIENT_LOADING",
+                                                     "FSDP_IGNORED_MODULES"};
   return variables;
 }
 
 const std::vector<std::string>& tool_environment_variables() {
   static const std::vector<std::string> variables = {
-      "FSDP_COLLECTIVE_TIMEOUT", "FSDP_BUILD_DIR", "FSDP_BUILD_JOBS", "FSDP_PYTHON",  "FSDP_TEST_JOBS",
-      "FSDP_TEST_PYTHON",        "FSDP_TORCH_PREFIX", "FSDP_VENV"};
+      "FSDP_COLLECTIVE_TIMEOUT", "FSDP_BUILD_DIR",   "FSDP_BUILD_JOBS",   "FSDP_PYTHON",
+      "FSDP_TEST_JOBS",          "FSDP_TEST_PYTHON", "FSDP_TORCH_PREFIX", "FSDP_VENV"};
   return variables;
 }
 
@@ -850,8 +892,10 @@ void FullyShardedDataParallelPlugin::set_mixed_precision(const std::string& mixe
   MixedPrecisionPolicy policy;
   policy.param_dtype = dtype;
   policy.reduce_dtype = dtype;
-  if (fsdp_version == 1) policy.buffer_dtype = buffer_autocast ? c10::kFloat : dtype;
-  else policy.output_dtype = dtype;
+  if (fsdp_version == 1)
+    policy.buffer_dtype = buffer_autocast ? c10::kFloat : dtype;
+  else
+    policy.output_dtype = dtype;
   mixed_precision_policy = policy;
 }
 
@@ -860,9 +904,10 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
   values["fsdp_version"] = fsdp_version;
   values["sharding_strategy"] = to_string(sharding_strategy);
   values["reshard_after_forward"] = reshard_after_forward.is_group_size()
-                                       ? nlohmann::json(reshard_after_forward.group_size())
-                                       : nlohmann::json(reshard_after_forward.reshards());
-  values["backward_prefetch"] = backward_prefetch ? nlohmann::json(to_string(*backward_prefetch)) : nlohmann::json("NO_PREFETCH");
+                                        ? nlohmann::json(reshard_after_forward.group_size())
+                                        : nlohmann::json(reshard_after_forward.reshards());
+  values["backward_prefetch"] =
+      backward_prefetch ? nlohmann::json(to_string(*backward_prefetch)) : nlohmann::json("NO_PREFETCH");
   if (mixed_precision_policy) {
     values["mixed_precision_policy"] = {{"param_dtype", dtype_json(mixed_precision_policy->param_dtype)},
                                         {"reduce_dtype", dtype_json(mixed_precision_policy->reduce_dtype)},
@@ -874,11 +919,15 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
   }
   values["auto_wrap_policy"] = to_string(auto_wrap_policy);
   values["cpu_offload"] = {{"offload_params", cpu_offload.offload_params}, {"pin_memory", cpu_offload.pin_memory}};
-  if (ignored_modules.name_regex) values["ignored_modules"] = *ignored_modules.name_regex;
-  else if (!ignored_modules.modules.empty()) values["ignored_modules"] = std::to_string(ignored_modules.modules.size()) + " modules";
-  else values["ignored_modules"] = nullptr;
+  if (ignored_modules.name_regex)
+    values["ignored_modules"] = *ignored_modules.name_regex;
+  else if (!ignored_modules.modules.empty())
+    values["ignored_modules"] = std::to_string(ignored_modules.modules.size()) + " modules";
+  else
+    values["ignored_modules"] = nullptr;
   values["state_dict_type"] = to_string(state_dict_type);
-  values["state_dict_config"] = {{"offload_to_cpu", state_dict_config.offload_to_cpu}, {"rank0_only", state_dict_config.rank0_only}};
+  values["state_dict_config"] = {{"offload_to_cpu", state_dict_config.offload_to_cpu},
+                                 {"rank0_only", state_dict_config.rank0_only}};
   values["optim_state_dict_config"] = {{"offload_to_cpu", optim_state_dict_config.offload_to_cpu},
                                        {"rank0_only", optim_state_dict_config.rank0_only}};
   values["limit_all_gathers"] = limit_all_gathers;

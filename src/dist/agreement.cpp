@@ -2,11 +2,10 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
+#include <fsdp/collectives.h>
 
 #include <map>
-
-#include <fsdp/collectives.h>
+#include <nlohmann/json.hpp>
 
 #include "dist/control_channel.h"
 
@@ -72,7 +71,8 @@ void agree_on_fields(const DistributedContext& context, const std::string& what,
   }
   auto ranks_text = [](const std::vector<size_t>& ranks) {
     std::string text = ranks.size() == 1 ? "rank " : "ranks ";
-    for (size_t index = 0; index < ranks.size() && index < 8; ++index) text += (index ? ", " : "") + std::to_string(ranks[index]);
+    for (size_t index = 0; index < ranks.size() && index < 8; ++index)
+      text += (index ? ", " : "") + std::to_string(ranks[index]);
     if (ranks.size() > 8) text += " and " + std::to_string(ranks.size() - 8) + " more";
     return text;
   };
@@ -95,8 +95,9 @@ void agree_on_fields(const DistributedContext& context, const std::string& what,
     // Every field has one value, so the lists differ in order or in a repeated name.
     for (size_t rank = 1; rank < all.size(); ++rank) {
       if (all[rank] == all[0]) continue;
-      message += " rank " + std::to_string(rank) + " states its fields in another order or repeats one (rank 0: " +
-                 all[0].substr(0, 200) + "; rank " + std::to_string(rank) + ": " + all[rank].substr(0, 200) + ")";
+      message += " rank " + std::to_string(rank) +
+                 " states its fields in another order or repeats one (rank 0: " + all[0].substr(0, 200) + "; rank " +
+                 std::to_string(rank) + ": " + all[rank].substr(0, 200) + ")";
       break;
     }
   }
@@ -123,7 +124,8 @@ void run_on_every_rank(const DistributedContext& context, const std::function<vo
 namespace fsdp {
 
 void require_same_on_every_rank(const DistributedContext& context, const std::string& what,
-                                const std::vector<std::pair<std::string, std::string>>& fields, const std::string& fix) {
+                                const std::vector<std::pair<std::string, std::string>>& fields,
+                                const std::string& fix) {
   detail::agree_on_fields(context, what, fields, fix);
 }
 

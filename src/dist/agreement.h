@@ -13,12 +13,12 @@
 // first, the errors only when one is not empty.
 #pragma once
 
+#include <fsdp/process_group.h>
+
 #include <exception>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp::detail {
 

@@ -1,10 +1,9 @@
 #include "dist/control_channel.h"
 
 #include <ATen/ATen.h>
+#include <fsdp/collectives.h>
 
 #include <cstring>
-
-#include <fsdp/collectives.h>
 
 namespace fsdp::detail {
 

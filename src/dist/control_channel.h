@@ -10,10 +10,10 @@
 // Both channels are Gloo on this CPU build; the control channel stays Gloo on every build.
 #pragma once
 
+#include <fsdp/process_group.h>
+
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp::detail {
 

@@ -1,7 +1,6 @@
 // Parsing of launcher environment variables. See include/fsdp/distributed_environment.h.
-#include <fsdp/distributed_environment.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/distributed_environment.h>
 
 #include <cerrno>
 #include <cmath>
@@ -47,9 +46,8 @@ int64_t parse_integer(const std::string& name, const std::string& value, const s
   errno = 0;
   char* end = nullptr;
   long long parsed = std::strtoll(value.c_str(), &end, 10);
-  TORCH_CHECK(errno == 0 && end != value.c_str() && *end == '\0',
-              "distributed environment: variable ", name, "='", value, "' is not an integer; expected ",
-              expected, ". Fix the launcher command or unset the variable.");
+  TORCH_CHECK(errno == 0 && end != value.c_str() && *end == '\0', "distributed environment: variable ", name, "='",
+              value, "' is not an integer; expected ", expected, ". Fix the launcher command or unset the variable.");
   return parsed;
 }
 
@@ -59,7 +57,8 @@ std::optional<int64_t> tasks_on_node(const std::string& tasks_per_node, int64_t 
   size_t position = 0;
   while (position < tasks_per_node.size()) {
     size_t comma = tasks_per_node.find(',', position);
-    std::string entry = tasks_per_node.substr(position, comma == std::string::npos ? std::string::npos : comma - position);
+    std::string entry =
+        tasks_per_node.substr(position, comma == std::string::npos ? std::string::npos : comma - position);
     int64_t repeat = 1;
     size_t paren = entry.find("(x");
     std::string count_text = entry.substr(0, paren);
@@ -141,8 +140,9 @@ DistributedEnvironment parse_distributed_environment(const EnvironmentMap& varia
     environment.check_collectives = *check == "1";
   }
   // torchrun's restart round; read for every launch (a one-process job restarts too).
-  for (auto [name, field] : {std::pair<const char*, int64_t*>{"TORCHELASTIC_RESTART_COUNT", &environment.restart_count},
-                             std::pair<const char*, int64_t*>{"TORCHELASTIC_MAX_RESTARTS", &environment.max_restarts}}) {
+  for (auto [name, field] :
+       {std::pair<const char*, int64_t*>{"TORCHELASTIC_RESTART_COUNT", &environment.restart_count},
+        std::pair<const char*, int64_t*>{"TORCHELASTIC_MAX_RESTARTS", &environment.max_restarts}}) {
     if (auto text = lookup(variables, name)) {
       *field = parse_integer(name, *text, "an integer >= 0");
       TORCH_CHECK(*field >= 0, "distributed environment: ", name, "=", *field,
@@ -163,30 +163,31 @@ DistributedEnvironment parse_distributed_environment(const EnvironmentMap& varia
   auto rank_text = lookup(variables, family->rank);
   auto world_text = lookup(variables, family->world_size);
   TORCH_CHECK(rank_text && world_text, "distributed environment: ", rank_text ? family->world_size : family->rank,
-              " is not set but ", rank_text ? family->rank : family->world_size,
-              " is; a ", family->name, " launch sets both. Start the program with `fsdp launch` (or torchrun), or set ",
-              "both variables.");
+              " is not set but ", rank_text ? family->rank : family->world_size, " is; a ", family->name,
+              " launch sets both. Start the program with `fsdp launch` (or torchrun), or set ", "both variables.");
   environment.rank = parse_integer(family->rank, *rank_text, "an integer rank >= 0");
   environment.world_size = parse_integer(family->world_size, *world_text, "an integer world size >= 1");
-  TORCH_CHECK(environment.world_size >= 1, "distributed environment: ", family->world_size, "=",
-              environment.world_size, " but the world size must be at least 1.");
-  TORCH_CHECK(environment.rank >= 0 && environment.rank < environment.world_size, "distributed environment: ",
-              family->rank, "=", environment.rank, " is outside [0, ", environment.world_size, ") given ",
-              family->world_size, "=", environment.world_size, ". Every rank must be below the world size.");
+  TORCH_CHECK(environment.world_size >= 1, "distributed environment: ", family->world_size, "=", environment.world_size,
+              " but the world size must be at least 1.");
+  TORCH_CHECK(environment.rank >= 0 && environment.rank < environment.world_size,
+              "distributed environment: ", family->rank, "=", environment.rank, " is outside [0, ",
+              environment.world_size, ") given ", family->world_size, "=", environment.world_size,
+              ". Every rank must be below the world size.");
 
   auto local_rank_text = lookup(variables, family->local_rank);
   auto local_world_text = lookup(variables, family->local_world_size);
   if (std::string(family->name) == "slurm" && !local_world_text) {
     if (auto tasks = lookup(variables, "SLURM_TASKS_PER_NODE")) {
       int64_t node_id = 0;
-      if (auto node_text = lookup(variables, "SLURM_NODEID")) node_id = parse_integer("SLURM_NODEID", *node_text, "an integer >= 0");
+      if (auto node_text = lookup(variables, "SLURM_NODEID"))
+        node_id = parse_integer("SLURM_NODEID", *node_text, "an integer >= 0");
       if (auto count = tasks_on_node(*tasks, node_id)) local_world_text = std::to_string(*count);
     }
   }
   if (local_rank_text || local_world_text) {
-    TORCH_CHECK(local_rank_text && local_world_text, "distributed environment: ",
-                local_rank_text ? family->local_world_size : family->local_rank, " is not set but ",
-                local_rank_text ? family->local_rank : family->local_world_size,
+    TORCH_CHECK(local_rank_text && local_world_text,
+                "distributed environment: ", local_rank_text ? family->local_world_size : family->local_rank,
+                " is not set but ", local_rank_text ? family->local_rank : family->local_world_size,
                 " is; set both, or neither for a single-machine job.");
     environment.local_rank = parse_integer(family->local_rank, *local_rank_text, "an integer >= 0");
     environment.local_world_size = parse_integer(family->local_world_size, *local_world_text, "an integer >= 1");
@@ -200,10 +201,11 @@ DistributedEnvironment parse_distributed_environment(const EnvironmentMap& varia
               " must be in [1, ", family->world_size, "=", environment.world_size, "].");
   TORCH_CHECK(environment.local_rank >= 0 && environment.local_rank < environment.local_world_size,
               "distributed environment: ", family->local_rank, "=", environment.local_rank, " is outside [0, ",
-              environment.local_world_size, ") given ", family->local_world_size, "=", environment.local_world_size, ".");
-  TORCH_CHECK(environment.world_size % environment.local_world_size == 0, "distributed environment: ",
-              family->world_size, "=", environment.world_size, " is not a multiple of ", family->local_world_size, "=",
-              environment.local_world_size,
+              environment.local_world_size, ") given ", family->local_world_size, "=", environment.local_world_size,
+              ".");
+  TORCH_CHECK(environment.world_size % environment.local_world_size == 0,
+              "distributed environment: ", family->world_size, "=", environment.world_size, " is not a multiple of ",
+              family->local_world_size, "=", environment.local_world_size,
               "; fsdp.cpp needs the same number of processes on every machine (torchrun's --nproc-per-node).");
 
   environment.node_rank = environment.rank / environment.local_world_size;
@@ -213,14 +215,15 @@ DistributedEnvironment parse_distributed_environment(const EnvironmentMap& varia
       environment.node_rank = parse_integer(node_variable, *node_text, "an integer machine index >= 0");
       TORCH_CHECK(environment.node_rank >= 0 && environment.node_rank < environment.num_nodes(),
                   "distributed environment: ", node_variable, "=", environment.node_rank, " is outside [0, ",
-                  environment.num_nodes(), ") machines (world size ", environment.world_size,
-                  " / local world size ", environment.local_world_size, ").");
+                  environment.num_nodes(), ") machines (world size ", environment.world_size, " / local world size ",
+                  environment.local_world_size, ").");
     }
   }
 
   if (auto address = lookup(variables, "MASTER_ADDR")) {
     environment.master_addr = *address;
-  } else if (auto nodelist = lookup(variables, "SLURM_JOB_NODELIST"); nodelist && family->name == std::string("slurm")) {
+  } else if (auto nodelist = lookup(variables, "SLURM_JOB_NODELIST");
+             nodelist && family->name == std::string("slurm")) {
     environment.master_addr = first_host_of_slurm_nodelist(*nodelist);
   } else {
     TORCH_CHECK(environment.num_nodes() == 1, "distributed environment: MASTER_ADDR is not set, but the job spans ",

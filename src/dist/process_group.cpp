@@ -1,12 +1,11 @@
 // Process groups and the rendezvous that creates them. c10d itself is behind dist/c10d/backend.h.
+#include <ATen/ATen.h>
 #include <fsdp/collectives.h>
 #include <fsdp/process_group.h>
 
-#include "dist/c10d/backend.h"
-
-#include <ATen/ATen.h>
-
 #include <sstream>
+
+#include "dist/c10d/backend.h"
 
 namespace fsdp {
 
@@ -65,9 +64,9 @@ NodeLayout plan_node_layout(const std::vector<RankReport>& reports) {
     const auto& report = reports[index];
     TORCH_CHECK(report.rank == static_cast<int64_t>(index), "rendezvous: the report at position ", index,
                 " came from rank ", report.rank, "; ranks must be 0..", world_size - 1, " with no duplicates.");
-    TORCH_CHECK(report.local_world_size == layout.local_world_size, "rendezvous: ranks disagree on LOCAL_WORLD_SIZE: rank 0 has ",
-                layout.local_world_size, " but rank ", report.rank, " has ", report.local_world_size,
-                ". Start every machine with the same --nproc-per-node.");
+    TORCH_CHECK(report.local_world_size == layout.local_world_size,
+                "rendezvous: ranks disagree on LOCAL_WORLD_SIZE: rank 0 has ", layout.local_world_size, " but rank ",
+                report.rank, " has ", report.local_world_size, ". Start every machine with the same --nproc-per-node.");
     const int64_t expected_rank = report.node_rank * report.local_world_size + report.local_rank;
     TORCH_CHECK(expected_rank == report.rank, "rendezvous: rank ", report.rank, " reports node ", report.node_rank,
                 " and local rank ", report.local_rank, " (local world size ", report.local_world_size,
@@ -101,12 +100,13 @@ const ProcessGroup& DistributedContext::consecutive_subgroup(const ProcessGroup&
   const int64_t first = parent.rank() / size * size;
   const auto& ranks = parent.global_ranks();
   const std::vector<int64_t> members(ranks.begin() + first, ranks.begin() + first + size);
-  const std::string name = parent.name() + "[ranks " + std::to_string(members.front()) + "-" +
-                           std::to_string(members.back()) + "]";
+  const std::string name =
+      parent.name() + "[ranks " + std::to_string(members.front()) + "-" + std::to_string(members.back()) + "]";
   std::lock_guard<std::mutex> lock(state_->subgroups_mutex);
   auto found = state_->subgroups.find(name);
   if (found != state_->subgroups.end()) return found->second;
-  auto group = ProcessGroup(detail::create_process_group(size == 1 ? nullptr : state_->store, environment(), name, members));
+  auto group =
+      ProcessGroup(detail::create_process_group(size == 1 ? nullptr : state_->store, environment(), name, members));
   return state_->subgroups.emplace(name, std::move(group)).first->second;
 }
 
@@ -123,7 +123,8 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
     auto single = ProcessGroup(detail::create_process_group(nullptr, environment, "world", {environment.rank}));
     state.world = single;
     state.intra_node = single;
-    state.cross_node = ProcessGroup(detail::create_process_group(nullptr, environment, "cross_node[0]", {environment.rank}));
+    state.cross_node =
+        ProcessGroup(detail::create_process_group(nullptr, environment, "cross_node[0]", {environment.rank}));
     state.control = ProcessGroup(detail::create_process_group(nullptr, environment, "control", {environment.rank}));
     return context;
   }
@@ -136,8 +137,8 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
 
   // Every rank states where it thinks it is; the groups are planned from what all of them said, so
   // a rank with a stale variable is named here instead of deadlocking a hybrid collective later.
-  auto mine = at::tensor({environment.rank, environment.local_rank, environment.local_world_size, environment.node_rank},
-                         at::kLong);
+  auto mine = at::tensor(
+      {environment.rank, environment.local_rank, environment.local_world_size, environment.node_rank}, at::kLong);
   auto all = at::empty({environment.world_size * 4}, at::kLong);
   all_gather(state.control, all, mine);
   std::vector<RankReport> reports(environment.world_size);

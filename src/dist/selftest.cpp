@@ -2,9 +2,8 @@
 // collective, so a broken collective cannot hide behind itself.
 #include "dist/selftest.h"
 
-#include <fsdp/collectives.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/collectives.h>
 
 #include <cmath>
 #include <functional>
@@ -14,7 +13,7 @@ namespace fsdp::detail {
 namespace {
 
 const std::vector<at::ScalarType>& selftest_dtypes() {
-  static const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf,  at::kBFloat16, at::kLong,
+  static const std::vector<at::ScalarType> dtypes = {at::kFloat, at::kDouble, at::kHalf, at::kBFloat16, at::kLong,
                                                      at::kInt,   at::kShort,  at::kChar, at::kByte,     at::kBool};
   return dtypes;
 }
@@ -143,7 +142,8 @@ void check_reduce_scatter(const ProcessGroup& group, at::ScalarType dtype, Check
     std::vector<double> input(size * shard_numel), expected(shard_numel, 0.0);
     for (int64_t index = 0; index < size * shard_numel; ++index) input[index] = value(group.rank(), index, dtype);
     for (int64_t index = 0; index < shard_numel; ++index) {
-      for (int64_t rank = 0; rank < size; ++rank) expected[index] += value(rank, group.rank() * shard_numel + index, dtype);
+      for (int64_t rank = 0; rank < size; ++rank)
+        expected[index] += value(rank, group.rank() * shard_numel + index, dtype);
       expected[index] /= static_cast<double>(size);
     }
     auto output = make_tensor(std::vector<double>(shard_numel, 0.0), dtype);
@@ -234,12 +234,15 @@ void check_bytes(const ProcessGroup& group, Checker& checker, std::vector<std::s
   };
   auto full = at::zeros({size * shard_numel}, at::kFloat);
   auto shard = at::zeros({shard_numel}, at::kFloat);
-  measure("all_gather", [&] { all_gather(group, full, shard); },
-          [](const CollectiveByteCounters& counters) { return counters.all_gather; }, 1);
-  measure("reduce_scatter", [&] { reduce_scatter(group, shard, full); },
-          [](const CollectiveByteCounters& counters) { return counters.reduce_scatter; }, 1);
-  measure("all_reduce", [&] { all_reduce(group, full); },
-          [](const CollectiveByteCounters& counters) { return counters.all_reduce; }, 2);
+  measure(
+      "all_gather", [&] { all_gather(group, full, shard); },
+      [](const CollectiveByteCounters& counters) { return counters.all_gather; }, 1);
+  measure(
+      "reduce_scatter", [&] { reduce_scatter(group, shard, full); },
+      [](const CollectiveByteCounters& counters) { return counters.reduce_scatter; }, 1);
+  measure(
+      "all_reduce", [&] { all_reduce(group, full); },
+      [](const CollectiveByteCounters& counters) { return counters.all_reduce; }, 2);
   group.reset_bytes_sent();
 }
 
@@ -273,8 +276,8 @@ SelftestReport run_collective_selftest(const DistributedContext& context) {
   report.passed = failing == 0;
   std::ostringstream summary;
   summary << "selftest: " << checker.checks() << " checks per rank over " << groups.size() << " group(s) and "
-          << selftest_dtypes().size() << " dtypes on " << context.world_size() << " rank(s): "
-          << (report.passed ? "PASSED" : "FAILED on " + std::to_string(failing) + " rank(s)");
+          << selftest_dtypes().size() << " dtypes on " << context.world_size()
+          << " rank(s): " << (report.passed ? "PASSED" : "FAILED on " + std::to_string(failing) + " rank(s)");
   report.lines.push_back(summary.str());
   return report;
 }

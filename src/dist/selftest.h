@@ -1,10 +1,10 @@
 // Private: `fsdp selftest`, a check of every collective across the ranks of a real job.
 #pragma once
 
+#include <fsdp/process_group.h>
+
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp::detail {
 

@@ -1,6 +1,5 @@
-#include <fsdp/activation_checkpointing.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/activation_checkpointing.h>
 #include <torch/csrc/autograd/autograd.h>
 #include <torch/csrc/autograd/custom_function.h>
 
@@ -147,7 +146,8 @@ std::vector<at::Tensor> run_checkpointed(const std::string& module_name, const s
   // no gradient, would silently lose its parameters' gradients. An empty anchor input that requires
   // grad keeps the function in the graph (what the non-reentrant checkpoint achieves with hooks).
   bool any_input_requires_grad = false;
-  for (const auto& input : inputs) any_input_requires_grad = any_input_requires_grad || (input.defined() && input.requires_grad());
+  for (const auto& input : inputs)
+    any_input_requires_grad = any_input_requires_grad || (input.defined() && input.requires_grad());
   const bool add_anchor = parameters_require_grad && !any_input_requires_grad;
   auto holder = c10::make_intrusive<RecomputeHolder>(module_name, std::move(function), add_anchor);
   torch::autograd::variable_list function_inputs(inputs);

@@ -1,6 +1,5 @@
-#include <fsdp/auto_wrap.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/auto_wrap.h>
 #include <torch/nn/modules/container/moduledict.h>
 #include <torch/nn/modules/container/modulelist.h>
 
@@ -8,7 +7,6 @@
 #include <set>
 #include <sstream>
 #include <unordered_set>
-
 
 namespace fsdp {
 namespace {
@@ -95,7 +93,8 @@ AutoWrapCallable size_based_auto_wrap_policy(int64_t min_num_params) {
 
 AutoWrapCallable size_based_auto_wrap_policy_v1(int64_t min_num_params) {
   return [min_num_params](const torch::nn::Module& module, const std::string&, int64_t unwrapped_numel) {
-    if (dynamic_cast<const torch::nn::ModuleListImpl*>(&module) || dynamic_cast<const torch::nn::ModuleDictImpl*>(&module)) {
+    if (dynamic_cast<const torch::nn::ModuleListImpl*>(&module) ||
+        dynamic_cast<const torch::nn::ModuleDictImpl*>(&module)) {
       return false;
     }
     return unwrapped_numel > 0 && unwrapped_numel >= min_num_params;

@@ -1,16 +1,14 @@
-#include <fsdp/clip_grad_norm.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/clip_grad_norm.h>
+#include <fsdp/collectives.h>
+#include <fsdp/fully_shard.h>
 
 #include <cmath>
 #include <unordered_set>
 
-#include <fsdp/collectives.h>
-#include <fsdp/fully_shard.h>
-
 #include "engine/module_state.h"
-#include "engine/registry.h"
 #include "engine/param_group.h"
+#include "engine/registry.h"
 
 namespace fsdp {
 
@@ -65,8 +63,8 @@ double clip_grad_norm_(torch::nn::Module& model, double max_norm, double norm_ty
     gradients.push_back(parameter.grad());
   }
   if (shard_group) all_reduce(*shard_group, sharded_total, infinity_norm ? ReduceOp::kMax : ReduceOp::kSum);
-  const auto total = infinity_norm ? at::maximum(sharded_total, local_total)
-                                   : (sharded_total + local_total).pow(1.0 / norm_type);
+  const auto total =
+      infinity_norm ? at::maximum(sharded_total, local_total) : (sharded_total + local_total).pow(1.0 / norm_type);
   const double total_norm = total.item<double>();
   // torch's rule, epsilon included, so clipped values match single-process training.
   const double clip_coefficient = max_norm / (total_norm + 1e-6);

@@ -18,7 +18,7 @@ namespace {
 // that parameter starting at shard r * factor; its region of `unsharded` becomes the dim-0-padded
 // full tensor. The all-gather's copy-out is factor 1 (row r is rank r's shard).
 void copy_rows_out(const at::Tensor& rows, int64_t row_count, int64_t factor, const std::vector<FSDPParam>& parameters,
-                   int64_t FSDPParam::*offset, const at::Tensor& unsharded) {
+                   int64_t FSDPParam::* offset, const at::Tensor& unsharded) {
   auto by_row = rows.view({row_count, -1});
   for (const auto& parameter : parameters) {
     const int64_t bytes = factor * parameter.padded_shard_bytes();

@@ -5,11 +5,10 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/shard_layout.h>
 
 #include <optional>
 #include <string>
-
-#include <fsdp/shard_layout.h>
 
 namespace fsdp::detail {
 

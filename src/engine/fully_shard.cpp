@@ -1,20 +1,18 @@
-#include <fsdp/fully_shard.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/collectives.h>
+#include <fsdp/device.h>
+#include <fsdp/fully_shard.h>
+#include <fsdp/meta_device.h>
 #include <torch/nn/module.h>
 
 #include <deque>
 #include <functional>
 #include <unordered_set>
 
-#include <fsdp/collectives.h>
-#include <fsdp/device.h>
-#include <fsdp/meta_device.h>
-
 #include "dist/agreement.h"
 #include "engine/module_state.h"
-#include "engine/registry.h"
 #include "engine/param_group.h"
+#include "engine/registry.h"
 
 namespace fsdp {
 namespace {
@@ -41,7 +39,8 @@ void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Modul
   std::deque<std::pair<std::string, std::shared_ptr<torch::nn::Module>>> queue;
   std::unordered_set<const torch::nn::Module*> visited;
   for (const auto& module : modules) {
-    if (visited.insert(module.get()).second) queue.emplace_back(modules.size() == 1 ? "" : module->name() + ".", module);
+    if (visited.insert(module.get()).second)
+      queue.emplace_back(modules.size() == 1 ? "" : module->name() + ".", module);
   }
   while (!queue.empty()) {
     auto [prefix, module] = std::move(queue.front());
@@ -71,14 +70,15 @@ void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Modul
     if (options.param_init_fn) {
       options.param_init_fn(*module);
     } else {
-      TORCH_CHECK(reset_parameters(*module), detail::on_rank(context), "fully_shard: module ", path, " (", module->name(),
-                  ") of the unit on ", modules.front()->name(),
+      TORCH_CHECK(reset_parameters(*module), detail::on_rank(context), "fully_shard: module ", path, " (",
+                  module->name(), ") of the unit on ", modules.front()->name(),
                   " has parameters or buffers on the meta device and no initializer of its own. Implement "
                   "fsdp::ResetParameters on it, give FullyShardOptions::param_init_fn (the plugin's param_init_fn), "
                   "or build the model outside MetaDeviceGuard");
     }
-    TORCH_CHECK(!has_meta_tensors(*module, /*recurse=*/false), detail::on_rank(context), "fully_shard: module ", path, " (",
-                module->name(), ") still has tensors on the meta device after param_init_fn; the function must give "
+    TORCH_CHECK(!has_meta_tensors(*module, /*recurse=*/false), detail::on_rank(context), "fully_shard: module ", path,
+                " (", module->name(),
+                ") still has tensors on the meta device after param_init_fn; the function must give "
                 "the module's own parameters and buffers their values in place");
   }
 }
@@ -139,7 +139,8 @@ void FSDPModule::set_reshard_after_forward(bool reshard_after_forward, bool recu
     group_->set_reshard_after_forward(reshard_after_forward);
     return;
   }
-  for (const auto& unit : fsdp_modules(*module())) detail::group_of(unit).set_reshard_after_forward(reshard_after_forward);
+  for (const auto& unit : fsdp_modules(*module()))
+    detail::group_of(unit).set_reshard_after_forward(reshard_after_forward);
 }
 
 bool FSDPModule::is_root() const { return group_->is_root(); }
@@ -229,8 +230,8 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
   TORCH_CHECK(!modules.empty(), detail::on_rank(context), "fully_shard: no modules given");
   for (size_t index = 0; index < modules.size(); ++index) {
     TORCH_CHECK(modules[index], detail::on_rank(context), "fully_shard: module ", index, " is null");
-    TORCH_CHECK(!detail::find_param_group(modules[index].get()), detail::on_rank(context), "fully_shard: ",
-                modules[index]->name(), " is already an FSDP unit; apply fully_shard once per module");
+    TORCH_CHECK(!detail::find_param_group(modules[index].get()), detail::on_rank(context),
+                "fully_shard: ", modules[index]->name(), " is already an FSDP unit; apply fully_shard once per module");
   }
   std::unordered_set<const c10::TensorImpl*> ignored;
   for (const auto& tensor : options.ignored_parameters) ignored.insert(tensor.unsafeGetTensorImpl());
@@ -255,12 +256,14 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       if (ignored.count(impl) || !seen.insert(impl).second || already_managed.count(impl)) continue;
       TORCH_CHECK(tensor.device().is_cpu() || (tensor.is_cuda() && built_with_cuda()), detail::on_rank(context),
                   "fully_shard: parameter '", prefix + item.key(), "' is on ", tensor.device(), "; ",
-                  built_with_cuda() ? "fsdp.cpp computes on CPU and CUDA devices"
-                                    : "this build of fsdp.cpp computes on CPU (build it against a CUDA libtorch for GPUs)",
+                  built_with_cuda()
+                      ? "fsdp.cpp computes on CPU and CUDA devices"
+                      : "this build of fsdp.cpp computes on CPU (build it against a CUDA libtorch for GPUs)",
                   ". Move the model to ", built_with_cuda() ? "fsdp::default_device(local_rank)" : "CPU", " first");
-      TORCH_CHECK(parameters.empty() || parameters.front().parameter.device() == tensor.device(), detail::on_rank(context),
-                  "fully_shard: parameter '", prefix + item.key(), "' is on ", tensor.device(), " but '",
-                  parameters.empty() ? std::string() : parameters.front().name, "' of the same unit is on ",
+      TORCH_CHECK(parameters.empty() || parameters.front().parameter.device() == tensor.device(),
+                  detail::on_rank(context), "fully_shard: parameter '", prefix + item.key(), "' is on ",
+                  tensor.device(), " but '", parameters.empty() ? std::string() : parameters.front().name,
+                  "' of the same unit is on ",
                   parameters.empty() ? tensor.device() : parameters.front().parameter.device(),
                   "; a unit computes on one device. Move the whole model there first");
       detail::FSDPParam parameter;

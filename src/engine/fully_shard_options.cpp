@@ -1,7 +1,6 @@
-#include <fsdp/fully_shard_options.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <fsdp/fully_shard_options.h>
 
 namespace fsdp {
 

@@ -1,8 +1,6 @@
-#include <fsdp/memory_estimate.h>
-
-#include <fsdp/shard_layout.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/memory_estimate.h>
+#include <fsdp/shard_layout.h>
 
 #include <algorithm>
 #include <unordered_set>
@@ -11,9 +9,12 @@ namespace fsdp {
 
 const char* to_string(OptimizerKind kind) {
   switch (kind) {
-    case OptimizerKind::kAdamW: return "adamw";
-    case OptimizerKind::kSgdMomentum: return "sgd-momentum";
-    case OptimizerKind::kSgd: return "sgd";
+    case OptimizerKind::kAdamW:
+      return "adamw";
+    case OptimizerKind::kSgdMomentum:
+      return "sgd-momentum";
+    case OptimizerKind::kSgd:
+      return "sgd";
   }
   TORCH_INTERNAL_ASSERT(false, "unknown OptimizerKind");
 }
@@ -27,9 +28,12 @@ OptimizerKind parse_optimizer_kind(const std::string& text, const std::string& w
 
 int64_t optimizer_states_per_parameter(OptimizerKind kind) {
   switch (kind) {
-    case OptimizerKind::kAdamW: return 2;
-    case OptimizerKind::kSgdMomentum: return 1;
-    case OptimizerKind::kSgd: return 0;
+    case OptimizerKind::kAdamW:
+      return 2;
+    case OptimizerKind::kSgdMomentum:
+      return 1;
+    case OptimizerKind::kSgd:
+      return 0;
   }
   TORCH_INTERNAL_ASSERT(false, "unknown OptimizerKind");
 }
@@ -67,9 +71,11 @@ void MemoryEstimateOptions::validate() const {
   const int64_t machine = ranks_per_machine == 0 ? world_size : ranks_per_machine;
   TORCH_CHECK(machine >= 1 && world_size % machine == 0, "estimate-memory: ranks per machine must divide the ",
               world_size, " ranks, got ", ranks_per_machine);
-  TORCH_CHECK(sharding_strategy != ShardingStrategy::kNoShard || !reshard_after_forward || !reshard_after_forward->is_group_size(),
-              "estimate-memory: reshard_after_forward=", reshard_after_forward ? reshard_after_forward->to_string() : "",
-              " is a group to shard over after forward, and NO_SHARD shards nothing; give it without NO_SHARD");
+  TORCH_CHECK(
+      sharding_strategy != ShardingStrategy::kNoShard || !reshard_after_forward ||
+          !reshard_after_forward->is_group_size(),
+      "estimate-memory: reshard_after_forward=", reshard_after_forward ? reshard_after_forward->to_string() : "",
+      " is a group to shard over after forward, and NO_SHARD shards nothing; give it without NO_SHARD");
   auto floating = [](c10::ScalarType dtype) { return c10::isFloatingType(dtype); };
   TORCH_CHECK(floating(storage_dtype), "estimate-memory: the storage dtype must be floating, got ", storage_dtype);
   TORCH_CHECK(!mixed_precision.param_dtype || floating(*mixed_precision.param_dtype),
@@ -79,8 +85,7 @@ void MemoryEstimateOptions::validate() const {
 }
 
 int64_t MemoryEstimate::peak_bytes(bool prefetch) const {
-  return model_state_bytes() +
-         (prefetch ? unsharded_peak_bytes_with_prefetch : unsharded_peak_bytes_without_prefetch) +
+  return model_state_bytes() + (prefetch ? unsharded_peak_bytes_with_prefetch : unsharded_peak_bytes_without_prefetch) +
          unsharded_gradient_bytes;
 }
 
@@ -100,12 +105,13 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
   const ReshardAfterForward reshard =
       options.reshard_after_forward.value_or(ReshardAfterForward(reshards_after_forward(strategy)));
   // 1: keeps everything after forward; shards: reshards fully; between: hpZ's rows of k ranks.
-  const int64_t post_forward_group = no_shard ? 1 : reshard.post_forward_group_size(shards, "every unit that reshards after forward");
+  const int64_t post_forward_group =
+      no_shard ? 1 : reshard.post_forward_group_size(shards, "every unit that reshards after forward");
   const int64_t storage = static_cast<int64_t>(c10::elementSize(options.storage_dtype));
   const int64_t compute =
       static_cast<int64_t>(c10::elementSize(options.mixed_precision.param_dtype.value_or(options.storage_dtype)));
-  const int64_t reduce = static_cast<int64_t>(c10::elementSize(
-      options.mixed_precision.reduce_dtype.value_or(options.mixed_precision.param_dtype.value_or(options.storage_dtype))));
+  const int64_t reduce = static_cast<int64_t>(c10::elementSize(options.mixed_precision.reduce_dtype.value_or(
+      options.mixed_precision.param_dtype.value_or(options.storage_dtype))));
   const int64_t states = optimizer_states_per_parameter(options.optimizer);
   // Ranks on other machines among the shard group's peers (direct exchange: a rank sends its shard
   // to each peer), and among the world's (NO_SHARD's all-reduce).
@@ -127,8 +133,10 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
     }
     estimate.parameters += unit_elements;
     estimate.parameter_bytes += shard_elements * storage;
-    if (kept) kept_bytes += padded_elements * compute;
-    else resharding_units.push_back(padded_elements * compute);
+    if (kept)
+      kept_bytes += padded_elements * compute;
+    else
+      resharding_units.push_back(padded_elements * compute);
     estimate.largest_unit_bytes = std::max(estimate.largest_unit_bytes, padded_elements * compute);
     if (no_shard) {
       // All-reduce of the gradients over the world: 2 (N - 1) / N of them.

@@ -1,6 +1,5 @@
-#include <fsdp/meta_device.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/meta_device.h>
 #include <torch/csrc/autograd/variable.h>
 #include <torch/nn/modules/activation.h>
 #include <torch/nn/modules/batchnorm.h>
@@ -69,16 +68,17 @@ bool reset_parameters(torch::nn::Module& module) {
     return true;
   }
   namespace nn = torch::nn;
-  return reset_as<nn::LinearImpl>(module) || reset_as<nn::BilinearImpl>(module) || reset_as<nn::EmbeddingImpl>(module) ||
-         reset_as<nn::EmbeddingBagImpl>(module) || reset_as<nn::LayerNormImpl>(module) ||
-         reset_as<nn::GroupNormImpl>(module) || reset_as<nn::Conv1dImpl>(module) || reset_as<nn::Conv2dImpl>(module) ||
-         reset_as<nn::Conv3dImpl>(module) || reset_as<nn::ConvTranspose1dImpl>(module) ||
-         reset_as<nn::ConvTranspose2dImpl>(module) || reset_as<nn::ConvTranspose3dImpl>(module) ||
-         reset_as<nn::BatchNorm1dImpl>(module) || reset_as<nn::BatchNorm2dImpl>(module) ||
-         reset_as<nn::BatchNorm3dImpl>(module) || reset_as<nn::InstanceNorm1dImpl>(module) ||
-         reset_as<nn::InstanceNorm2dImpl>(module) || reset_as<nn::InstanceNorm3dImpl>(module) ||
-         reset_as<nn::RNNImpl>(module) || reset_as<nn::LSTMImpl>(module) || reset_as<nn::GRUImpl>(module) ||
-         reset_as<nn::RNNCellImpl>(module) || reset_as<nn::LSTMCellImpl>(module) || reset_as<nn::GRUCellImpl>(module);
+  return reset_as<nn::LinearImpl>(module) || reset_as<nn::BilinearImpl>(module) ||
+         reset_as<nn::EmbeddingImpl>(module) || reset_as<nn::EmbeddingBagImpl>(module) ||
+         reset_as<nn::LayerNormImpl>(module) || reset_as<nn::GroupNormImpl>(module) ||
+         reset_as<nn::Conv1dImpl>(module) || reset_as<nn::Conv2dImpl>(module) || reset_as<nn::Conv3dImpl>(module) ||
+         reset_as<nn::ConvTranspose1dImpl>(module) || reset_as<nn::ConvTranspose2dImpl>(module) ||
+         reset_as<nn::ConvTranspose3dImpl>(module) || reset_as<nn::BatchNorm1dImpl>(module) ||
+         reset_as<nn::BatchNorm2dImpl>(module) || reset_as<nn::BatchNorm3dImpl>(module) ||
+         reset_as<nn::InstanceNorm1dImpl>(module) || reset_as<nn::InstanceNorm2dImpl>(module) ||
+         reset_as<nn::InstanceNorm3dImpl>(module) || reset_as<nn::RNNImpl>(module) || reset_as<nn::LSTMImpl>(module) ||
+         reset_as<nn::GRUImpl>(module) || reset_as<nn::RNNCellImpl>(module) || reset_as<nn::LSTMCellImpl>(module) ||
+         reset_as<nn::GRUCellImpl>(module);
 }
 
 bool has_meta_tensors(const torch::nn::Module& module, bool recurse) {
@@ -93,10 +93,12 @@ bool has_meta_tensors(const torch::nn::Module& module, bool recurse) {
 
 void to_empty(torch::nn::Module& module, c10::Device device, bool recurse) {
   check_outside_guard("fsdp::to_empty");
-  TORCH_CHECK(!device.is_meta(), "fsdp::to_empty: the target device is meta; give the device the tensors should move to");
+  TORCH_CHECK(!device.is_meta(),
+              "fsdp::to_empty: the target device is meta; give the device the tensors should move to");
   auto materialize = [&](const at::Tensor& tensor) {
     if (tensor.defined() && tensor.is_meta()) {
-      replace_in_place(tensor, at::zeros(tensor.sizes(), at::TensorOptions().dtype(tensor.scalar_type()).device(device)));
+      replace_in_place(tensor,
+                       at::zeros(tensor.sizes(), at::TensorOptions().dtype(tensor.scalar_type()).device(device)));
     }
   };
   for (const auto& parameter : module.parameters(recurse)) materialize(parameter);

@@ -2,13 +2,12 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <fsdp/activation_checkpointing.h>
 #include <torch/csrc/autograd/custom_function.h>
 #include <torch/csrc/autograd/engine.h>
 
 #include <unordered_map>
 #include <unordered_set>
-
-#include <fsdp/activation_checkpointing.h>
 
 #include "engine/registry.h"
 
@@ -55,7 +54,7 @@ RootState::RootState(std::shared_ptr<ParamGroup> root, std::vector<std::shared_p
     : root_(std::move(root)), groups_(std::move(groups)) {}
 
 void RootState::begin_iteration() {
-  if (state_ == State::kForward) return;  // another forward of the same iteration
+  if (state_ == State::kForward) return;                           // another forward of the same iteration
   if (state_ == State::kBackward) end_iteration(/*check=*/false);  // its backward threw: abandon it
   for (const auto& group : groups_) group->begin_iteration();
   post_forward_order_.clear();
@@ -113,8 +112,7 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::within_all_gather_limit(
   return kept;
 }
 
-std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(ParamGroup& group,
-                                                                              bool after_gradients) {
+std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(ParamGroup& group, bool after_gradients) {
   auto& indices = group.post_forward_indices();
   const bool has_index = !indices.empty();
   // Before the gradients, one call per use of the unit, latest forward first. After them, one call
@@ -265,9 +263,9 @@ std::shared_ptr<RootState> ensure_root_state(ParamGroup& group) {
     }
   }
   for (const auto& member : tree) {
-    TORCH_CHECK(member->options().sharding_strategy == root->options().sharding_strategy, root->on_rank(), "FSDP: ",
-                member->description(), " uses ", to_string(member->options().sharding_strategy), " but the root ",
-                root->description(), " uses ", to_string(root->options().sharding_strategy),
+    TORCH_CHECK(member->options().sharding_strategy == root->options().sharding_strategy, root->on_rank(),
+                "FSDP: ", member->description(), " uses ", to_string(member->options().sharding_strategy),
+                " but the root ", root->description(), " uses ", to_string(root->options().sharding_strategy),
                 "; every unit of one model must use the same sharding strategy");
   }
   auto root_state = std::make_shared<RootState>(root, tree);

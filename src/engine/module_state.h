@@ -82,8 +82,8 @@ class RootState : public std::enable_shared_from_this<RootState> {
   /// Finishes reductions in flight, oldest first, until at most `keep_in_flight` remain.
   void finish_reductions(size_t keep_in_flight = 0);
   /// `targets` cut to what max_all_gathers_in_flight allows while `group` gathers too.
-  std::vector<std::shared_ptr<ParamGroup>> within_all_gather_limit(const ParamGroup& group,
-                                                                   std::vector<std::shared_ptr<ParamGroup>> targets) const;
+  std::vector<std::shared_ptr<ParamGroup>> within_all_gather_limit(
+      const ParamGroup& group, std::vector<std::shared_ptr<ParamGroup>> targets) const;
   /// Whether backward prefetch waits for the unit's gradients (BACKWARD_POST).
   bool prefetches_after_gradients() const;
 

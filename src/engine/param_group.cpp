@@ -1,15 +1,13 @@
 #include "engine/param_group.h"
 
-#include "dist/activity.h"
-
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
-
-#include <sstream>
-
 #include <fsdp/collectives.h>
 #include <fsdp/device.h>
 
+#include <sstream>
+
+#include "dist/activity.h"
 #include "dist/control_channel.h"
 #include "engine/fsdp_collectives.h"
 #include "memory/buffer_pool.h"
@@ -114,7 +112,8 @@ void ParamGroup::initialize() {
   // Checked before anything is sharded, so a bad size leaves the module as it was. Every rank creates
   // the post-forward group here, in fully_shard's order.
   if (options_.reshard_after_forward && options_.reshard_after_forward->is_group_size()) {
-    const int64_t group_size = options_.reshard_after_forward->post_forward_group_size(shard_size, on_rank() + description());
+    const int64_t group_size =
+        options_.reshard_after_forward->post_forward_group_size(shard_size, on_rank() + description());
     if (group_size > 1 && group_size < shard_size) {
       post_forward_group_ = context_.consecutive_subgroup(*shard_group_, group_size);
     }
@@ -207,7 +206,8 @@ void ParamGroup::initialize() {
       parameter.unsharded_data = parameter.sharded_padded.view(parameter.layout.unsharded_sizes);
     }
   } else {
-    unsharded_buffer_ = at::empty({std::max<int64_t>(unsharded_buffer_bytes_, 1)}, at::TensorOptions().dtype(at::kByte).device(device_));
+    unsharded_buffer_ = at::empty({std::max<int64_t>(unsharded_buffer_bytes_, 1)},
+                                  at::TensorOptions().dtype(at::kByte).device(device_));
     for (auto& parameter : parameters_) {
       const int64_t bytes = parameter.layout.numel_unsharded() * element_size(parameter.compute_dtype);
       parameter.unsharded_data = unsharded_buffer_.narrow(0, parameter.unsharded_offset_bytes, bytes)
@@ -227,8 +227,8 @@ void ParamGroup::refresh_trainable_parameters() {
     if (!parameter.requires_grad) continue;
     if (!trainable.empty()) {
       const auto* first = trainable.front();
-      TORCH_CHECK(options_.mixed_precision.reduce_dtype || parameter.compute_dtype == first->compute_dtype,
-                  on_rank(), description(), ": trainable parameters '", first->name, "' (", first->compute_dtype, ") and '",
+      TORCH_CHECK(options_.mixed_precision.reduce_dtype || parameter.compute_dtype == first->compute_dtype, on_rank(),
+                  description(), ": trainable parameters '", first->name, "' (", first->compute_dtype, ") and '",
                   parameter.name, "' (", parameter.compute_dtype,
                   ") have different dtypes, so their gradients cannot be reduced together. Give every trainable "
                   "parameter of a unit the same dtype, set mixed_precision.reduce_dtype, or put them in different "
@@ -396,9 +396,7 @@ void ParamGroup::pre_backward(const std::vector<std::shared_ptr<ParamGroup>>& pr
   wait_for_unshard();
 }
 
-bool ParamGroup::on_input_gradient() {
-  return pending_input_gradients_ > 0 && --pending_input_gradients_ == 0;
-}
+bool ParamGroup::on_input_gradient() { return pending_input_gradients_ > 0 && --pending_input_gradients_ == 0; }
 
 std::string ParamGroup::activity_text() const {
   return description() + ", iteration " + std::to_string(iterations_) + ", " + to_string(training_state_);
@@ -468,8 +466,8 @@ void ParamGroup::post_backward(const std::vector<std::shared_ptr<ParamGroup>>& p
     if (!parameter.requires_grad) continue;
     auto gradient = parameter.parameter.grad();
     if (!gradient.defined()) continue;
-    TORCH_CHECK(gradient.sizes() == at::IntArrayRef(parameter.layout.unsharded_sizes), on_rank(), "parameter '", parameter.name,
-                "' of ", description(), " received a gradient of shape ", sizes_text(gradient.sizes()),
+    TORCH_CHECK(gradient.sizes() == at::IntArrayRef(parameter.layout.unsharded_sizes), on_rank(), "parameter '",
+                parameter.name, "' of ", description(), " received a gradient of shape ", sizes_text(gradient.sizes()),
                 " but its full shape is ", sizes_text(parameter.layout.unsharded_sizes), kCalledWithoutFsdpForward);
     parameter.parameter.mutable_grad() = at::Tensor();
     gradients[index] = gradient;
@@ -570,7 +568,8 @@ void ParamGroup::finish_reduction() {
   // every unit's flags once, at the end of the iteration (Note [gradient flags]).
   const int64_t flags_offset = reduce_row_numel_ - trainable_count_;
   auto any_rank_had_gradient = reduce_scatter_output.narrow(0, flags_offset, trainable_count_).gt(0);
-  gradient_flags_ = gradient_flags_.defined() ? gradient_flags_.logical_or(any_rank_had_gradient) : any_rank_had_gradient;
+  gradient_flags_ =
+      gradient_flags_.defined() ? gradient_flags_.logical_or(any_rank_had_gradient) : any_rank_had_gradient;
   auto sharded_gradients = reduce_scatter_copy_out(parameters_, reduce_scatter_output);
   int64_t trainable_index = 0;
   for (auto& parameter : parameters_) {

@@ -36,15 +36,14 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <fsdp/collectives.h>
+#include <fsdp/fully_shard_options.h>
+#include <fsdp/shard_layout.h>
 
 #include <memory>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <fsdp/collectives.h>
-#include <fsdp/fully_shard_options.h>
-#include <fsdp/shard_layout.h>
 
 #include "engine/fsdp_param.h"
 

@@ -4,11 +4,11 @@
 // and entries of dead modules are dropped whenever the table is listed.
 #pragma once
 
+#include <torch/nn/module.h>
+
 #include <memory>
 #include <unordered_set>
 #include <vector>
-
-#include <torch/nn/module.h>
 
 namespace fsdp::detail {
 

@@ -1,12 +1,10 @@
-#include <fsdp/sharded_grad_scaler.h>
-
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <fsdp/collectives.h>
+#include <fsdp/sharded_grad_scaler.h>
 
 #include <cmath>
 #include <vector>
-
-#include <fsdp/collectives.h>
 
 namespace fsdp {
 
@@ -16,9 +14,11 @@ void validate(const ShardedGradScalerOptions& options) {
   TORCH_CHECK(std::isfinite(options.growth_factor) && options.growth_factor > 1.0,
               "ShardedGradScalerOptions.growth_factor must be greater than 1, got ", options.growth_factor);
   TORCH_CHECK(options.backoff_factor > 0.0 && options.backoff_factor < 1.0,
-              "ShardedGradScalerOptions.backoff_factor must be between 0 and 1 (exclusive), got ", options.backoff_factor);
+              "ShardedGradScalerOptions.backoff_factor must be between 0 and 1 (exclusive), got ",
+              options.backoff_factor);
   TORCH_CHECK(options.growth_interval >= 1,
-              "ShardedGradScalerOptions.growth_interval must be a positive whole number, got ", options.growth_interval);
+              "ShardedGradScalerOptions.growth_interval must be a positive whole number, got ",
+              options.growth_interval);
 }
 
 ShardedGradScaler::ShardedGradScaler(ProcessGroup group, ShardedGradScalerOptions options)
@@ -95,7 +95,8 @@ bool ShardedGradScaler::step(torch::optim::Optimizer& optimizer) {
     return true;
   }
   auto& state = state_of(optimizer);
-  TORCH_CHECK(state.stage != Stage::kStepped, "ShardedGradScaler::step() has already been called since the last update()");
+  TORCH_CHECK(state.stage != Stage::kStepped,
+              "ShardedGradScaler::step() has already been called since the last update()");
   if (state.stage == Stage::kReady) unscale_(optimizer);
   double found = 0;
   for (const auto& [key, found_inf] : state.found_inf_per_device) found += found_inf.item<double>();

@@ -1,6 +1,5 @@
-#include <fsdp/sharding_options.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/sharding_options.h>
 
 namespace fsdp {
 
@@ -42,9 +41,9 @@ bool ReshardAfterForward::reshards() const {
 
 int64_t ReshardAfterForward::post_forward_group_size(int64_t shard_size, const std::string& unit) const {
   if (!group_size_) return reshard_ ? shard_size : 1;
-  TORCH_CHECK(*group_size_ <= shard_size && shard_size % *group_size_ == 0, unit, ": reshard_after_forward=",
-              *group_size_, " must divide the size of the group that shards the unit, ", shard_size,
-              " ranks (FSDP2 requires the same). Set a divisor of ", shard_size,
+  TORCH_CHECK(*group_size_ <= shard_size && shard_size % *group_size_ == 0, unit,
+              ": reshard_after_forward=", *group_size_, " must divide the size of the group that shards the unit, ",
+              shard_size, " ranks (FSDP2 requires the same). Set a divisor of ", shard_size,
               " (typically the ranks per machine), true or false");
   return *group_size_;
 }

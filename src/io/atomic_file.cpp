@@ -1,12 +1,12 @@
 #include "io/atomic_file.h"
 
 #include <c10/util/Exception.h>
+#include <fcntl.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
-#include <fcntl.h>
 #include <filesystem>
-#include <unistd.h>
 
 #ifdef FSDP_FAULT_INJECTION
 #include <atomic>
@@ -40,7 +40,8 @@ void fault_point(const char* operation, const std::string& file) {
   if (kill_at < 0 && log == nullptr) return;
   const long long number = ++count;
   if (log != nullptr) {
-    const std::string line = std::string(rank ? rank : "0") + " " + std::to_string(number) + " " + operation + " " + file + "\n";
+    const std::string line =
+        std::string(rank ? rank : "0") + " " + std::to_string(number) + " " + operation + " " + file + "\n";
     const int fd = ::open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
     if (fd >= 0) {
       ssize_t ignored = ::write(fd, line.data(), line.size());

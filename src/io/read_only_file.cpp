@@ -29,7 +29,7 @@ std::string with_fix(const std::string& fix) { return fix.empty() ? std::string(
 
 std::optional<ReadOnlyFile> ReadOnlyFile::open_if_exists(const std::string& path, uint64_t max_bytes,
                                                          const std::string& what, const std::string& fix) {
-  struct stat status {};
+  struct stat status{};
   if (::stat(path.c_str(), &status) != 0 && errno == ENOENT) return std::nullopt;
   return ReadOnlyFile(path, max_bytes, what, fix);
 }
@@ -42,17 +42,20 @@ ReadOnlyFile::ReadOnlyFile(const std::string& path, uint64_t max_bytes, const st
   if (descriptor_ < 0) {
     const int error = errno;
     TORCH_CHECK(error != ELOOP, what, " '", path, "' is a loop of symbolic links", with_fix(fix));
-    TORCH_CHECK(false, "cannot open ", what, " '", path, "': it cannot be read (", std::strerror(error), ")", with_fix(fix));
+    TORCH_CHECK(false, "cannot open ", what, " '", path, "': it cannot be read (", std::strerror(error), ")",
+                with_fix(fix));
   }
-  struct stat status {};
+  struct stat status{};
   if (::fstat(descriptor_, &status) != 0) {
     const int error = errno;
     release();
-    TORCH_CHECK(false, "cannot open ", what, " '", path, "': it cannot be read (", std::strerror(error), ")", with_fix(fix));
+    TORCH_CHECK(false, "cannot open ", what, " '", path, "': it cannot be read (", std::strerror(error), ")",
+                with_fix(fix));
   }
   if (!S_ISREG(status.st_mode)) {
     release();
-    TORCH_CHECK(false, what, " '", path, "' is not a regular file (it is ", kind_of(status.st_mode), ")", with_fix(fix));
+    TORCH_CHECK(false, what, " '", path, "' is not a regular file (it is ", kind_of(status.st_mode), ")",
+                with_fix(fix));
   }
   size_ = static_cast<uint64_t>(status.st_size);
   if (size_ > max_bytes) {
@@ -73,8 +76,11 @@ void ReadOnlyFile::release() noexcept {
 }
 
 ReadOnlyFile::ReadOnlyFile(ReadOnlyFile&& other) noexcept
-    : path_(std::move(other.path_)), what_(std::move(other.what_)), descriptor_(std::exchange(other.descriptor_, -1)),
-      size_(std::exchange(other.size_, 0)), mapping_(std::exchange(other.mapping_, nullptr)) {}
+    : path_(std::move(other.path_)),
+      what_(std::move(other.what_)),
+      descriptor_(std::exchange(other.descriptor_, -1)),
+      size_(std::exchange(other.size_, 0)),
+      mapping_(std::exchange(other.mapping_, nullptr)) {}
 
 ReadOnlyFile& ReadOnlyFile::operator=(ReadOnlyFile&& other) noexcept {
   if (this != &other) {
@@ -92,9 +98,11 @@ size_t ReadOnlyFile::read_at_most(void* buffer, size_t count, uint64_t offset) c
   TORCH_INTERNAL_ASSERT(descriptor_ >= 0, "read from a moved-from file");
   size_t done = 0;
   while (done < count) {
-    const auto got = ::pread(descriptor_, static_cast<char*>(buffer) + done, count - done, static_cast<off_t>(offset + done));
+    const auto got =
+        ::pread(descriptor_, static_cast<char*>(buffer) + done, count - done, static_cast<off_t>(offset + done));
     if (got < 0 && errno == EINTR) continue;
-    TORCH_CHECK(got >= 0, what_, " '", path_, "' could not be read at byte ", offset + done, ": ", std::strerror(errno));
+    TORCH_CHECK(got >= 0, what_, " '", path_, "' could not be read at byte ", offset + done, ": ",
+                std::strerror(errno));
     if (got == 0) break;
     done += static_cast<size_t>(got);
   }
@@ -104,7 +112,8 @@ size_t ReadOnlyFile::read_at_most(void* buffer, size_t count, uint64_t offset) c
 void ReadOnlyFile::read_exactly(void* buffer, size_t count, uint64_t offset, const std::string& item) const {
   const size_t done = read_at_most(buffer, count, offset);
   TORCH_CHECK(done == count, item, ": the file ended after ", done, " of ", count, " bytes at byte ", offset, " of ",
-              what_, " '", path_, "' (", size_, " bytes when opened): it was truncated while being read, or is still "
+              what_, " '", path_, "' (", size_,
+              " bytes when opened): it was truncated while being read, or is still "
               "being written");
 }
 
@@ -135,7 +144,8 @@ uint64_t in_memory_bound() {
   return static_cast<uint64_t>(pages) * static_cast<uint64_t>(page_size);
 }
 
-std::string read_text_file(const std::string& path, uint64_t max_bytes, const std::string& what, const std::string& fix) {
+std::string read_text_file(const std::string& path, uint64_t max_bytes, const std::string& what,
+                           const std::string& fix) {
   return ReadOnlyFile(path, max_bytes, what, fix).read_text();
 }
 

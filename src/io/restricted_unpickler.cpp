@@ -118,8 +118,8 @@ class Machine {
         case 0x87: {
           const size_t count = opcode - 0x84;
           // Values below the innermost MARK belong to an enclosing tuple, list or dict.
-          TORCH_CHECK(stack_.size() >= count + (marks_.empty() ? 0 : marks_.back()), where(at), "TUPLE", count, " needs ",
-                      count, " values on the stack above its innermost MARK");
+          TORCH_CHECK(stack_.size() >= count + (marks_.empty() ? 0 : marks_.back()), where(at), "TUPLE", count,
+                      " needs ", count, " values on the stack above its innermost MARK");
           auto* tuple = make(Kind::kTuple);
           tuple->items.assign(stack_.end() - static_cast<std::ptrdiff_t>(count), stack_.end());
           stack_.resize(stack_.size() - count);
@@ -187,11 +187,12 @@ class Machine {
           auto* name = pop(at);
           auto* module = pop(at);
           TORCH_CHECK(module->kind == Kind::kString && name->kind == Kind::kString, where(at),
-                      "STACK_GLOBAL needs a module and a name (strings), got ", module->describe(), " and ", name->describe());
+                      "STACK_GLOBAL needs a module and a name (strings), got ", module->describe(), " and ",
+                      name->describe());
           push(global(at, module->text, name->text));
           break;
         }
-        case 'R':  // REDUCE: callee(*arguments)
+        case 'R':     // REDUCE: callee(*arguments)
         case 0x81: {  // NEWOBJ: cls.__new__(cls, *arguments)
           auto* arguments = pop(at);
           auto* callee = pop(at);
@@ -240,8 +241,8 @@ class Machine {
           auto* state = pop(at);
           TORCH_CHECK(!stack_.empty() && (stack_.back()->kind == Kind::kObject ||
                                           (stack_.back()->kind == Kind::kDict && stack_.back()->callee != nullptr)),
-                      where(at), "BUILD on ", stack_.empty() ? std::string("an empty stack") : stack_.back()->describe(),
-                      ", not on an object");
+                      where(at), "BUILD on ",
+                      stack_.empty() ? std::string("an empty stack") : stack_.back()->describe(), ", not on an object");
           TORCH_CHECK(stack_.back()->state == nullptr, where(at), "BUILD of ", stack_.back()->describe(), " twice");
           const_cast<PickleValue*>(stack_.back())->state = state;
           break;
@@ -277,8 +278,8 @@ class Machine {
   }
 
   const uint8_t* take(size_t count) {
-    TORCH_CHECK(count <= size_ - position_, "'", source_, "': the pickle is truncated at byte ", position_, " (",
-                count, " more bytes needed, ", size_ - position_, " left)");
+    TORCH_CHECK(count <= size_ - position_, "'", source_, "': the pickle is truncated at byte ", position_, " (", count,
+                " more bytes needed, ", size_ - position_, " left)");
     const uint8_t* bytes = data_ + position_;
     position_ += count;
     return bytes;

@@ -1,14 +1,13 @@
-#include <fsdp/safetensors.h>
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
+#include <fsdp/safetensors.h>
 
 #include <algorithm>
-#include <optional>
 #include <cstring>
-#include <set>
 #include <limits>
+#include <nlohmann/json.hpp>
+#include <optional>
+#include <set>
 
 #include "io/atomic_file.h"
 #include "io/read_only_file.h"
@@ -27,13 +26,27 @@ struct DtypeEntry {
 // In the reference's enum order, which is increasing alignment: the writer sorts on it.
 const std::vector<DtypeEntry>& dtype_table() {
   static const std::vector<DtypeEntry> table = {
-      {"BOOL", 8, c10::kBool},      {"F4", 4, std::nullopt},          {"F6_E2M3", 6, std::nullopt},
-      {"F6_E3M2", 6, std::nullopt}, {"U8", 8, c10::kByte},           {"I8", 8, c10::kChar},
-      {"F8_E5M2", 8, c10::kFloat8_e5m2}, {"F8_E4M3", 8, c10::kFloat8_e4m3fn}, {"F8_E8M0", 8, c10::kFloat8_e8m0fnu},
-      {"F8_E4M3FNUZ", 8, c10::kFloat8_e4m3fnuz}, {"F8_E5M2FNUZ", 8, c10::kFloat8_e5m2fnuz}, {"I16", 16, c10::kShort},
-      {"U16", 16, c10::kUInt16},    {"F16", 16, c10::kHalf},         {"BF16", 16, c10::kBFloat16},
-      {"I32", 32, c10::kInt},       {"U32", 32, c10::kUInt32},       {"F32", 32, c10::kFloat},
-      {"C64", 64, c10::kComplexFloat}, {"F64", 64, c10::kDouble},    {"I64", 64, c10::kLong},
+      {"BOOL", 8, c10::kBool},
+      {"F4", 4, std::nullopt},
+      {"F6_E2M3", 6, std::nullopt},
+      {"F6_E3M2", 6, std::nullopt},
+      {"U8", 8, c10::kByte},
+      {"I8", 8, c10::kChar},
+      {"F8_E5M2", 8, c10::kFloat8_e5m2},
+      {"F8_E4M3", 8, c10::kFloat8_e4m3fn},
+      {"F8_E8M0", 8, c10::kFloat8_e8m0fnu},
+      {"F8_E4M3FNUZ", 8, c10::kFloat8_e4m3fnuz},
+      {"F8_E5M2FNUZ", 8, c10::kFloat8_e5m2fnuz},
+      {"I16", 16, c10::kShort},
+      {"U16", 16, c10::kUInt16},
+      {"F16", 16, c10::kHalf},
+      {"BF16", 16, c10::kBFloat16},
+      {"I32", 32, c10::kInt},
+      {"U32", 32, c10::kUInt32},
+      {"F32", 32, c10::kFloat},
+      {"C64", 64, c10::kComplexFloat},
+      {"F64", 64, c10::kDouble},
+      {"I64", 64, c10::kLong},
       {"U64", 64, c10::kUInt64},
   };
   return table;
@@ -141,14 +154,15 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
   std::string duplicate;
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(
-        header_bytes, header_bytes + header_length,
-        [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-          if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string()) {
-            if (!seen_keys.insert(parsed.get<std::string>()).second && duplicate.empty()) duplicate = parsed.get<std::string>();
-          }
-          return true;
-        });
+    header =
+        nlohmann::json::parse(header_bytes, header_bytes + header_length,
+                              [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
+                                if (depth == 1 && event == nlohmann::json::parse_event_t::key && parsed.is_string()) {
+                                  if (!seen_keys.insert(parsed.get<std::string>()).second && duplicate.empty())
+                                    duplicate = parsed.get<std::string>();
+                                }
+                                return true;
+                              });
   } catch (const nlohmann::json::exception& error) {
     TORCH_CHECK(false, "safetensors file '", source, "': the header is not valid JSON (", error.what(), ")");
   }
@@ -170,10 +184,10 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
       }
       continue;
     }
-    TORCH_CHECK(value.is_object() && value.contains("dtype") && value.contains("shape") &&
-                    value.contains("data_offsets"),
-                "safetensors file '", source, "': tensor '", name,
-                "' must be an object with dtype, shape and data_offsets, found ", value.dump());
+    TORCH_CHECK(
+        value.is_object() && value.contains("dtype") && value.contains("shape") && value.contains("data_offsets"),
+        "safetensors file '", source, "': tensor '", name,
+        "' must be an object with dtype, shape and data_offsets, found ", value.dump());
     SafetensorsTensorInfo info;
     info.name = name;
     TORCH_CHECK(value["dtype"].is_string(), "safetensors file '", source, "': tensor '", name,
@@ -181,7 +195,8 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
     info.dtype = value["dtype"].get<std::string>();
     const auto* dtype = find_dtype(info.dtype);
     TORCH_CHECK(dtype, "safetensors file '", source, "': tensor '", name, "' has unknown dtype '", info.dtype, "'");
-    TORCH_CHECK(value["shape"].is_array(), "safetensors file '", source, "': tensor '", name, "' has a non-array shape");
+    TORCH_CHECK(value["shape"].is_array(), "safetensors file '", source, "': tensor '", name,
+                "' has a non-array shape");
     uint64_t numel = 1;
     for (const auto& dimension : value["shape"]) {
       const int64_t extent = checked_nonnegative(dimension, source, name, "shape");
@@ -208,8 +223,8 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
     info.begin = checked_nonnegative(offsets[0], source, name, "data_offsets");
     info.end = checked_nonnegative(offsets[1], source, name, "data_offsets");
     uint64_t bits = 0;
-    TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype->bits), &bits), "safetensors file '",
-                source, "': tensor '", name, "' has a byte size that overflows");
+    TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<uint64_t>(dtype->bits), &bits), "safetensors file '", source,
+                "': tensor '", name, "' has a byte size that overflows");
     TORCH_CHECK(bits % 8 == 0, "safetensors file '", source, "': tensor '", name, "' (", info.dtype,
                 ") does not fill whole bytes");
     TORCH_CHECK(info.end >= info.begin && static_cast<uint64_t>(info.end - info.begin) == bits / 8,
@@ -230,7 +245,8 @@ SafetensorsHeader parse_safetensors(const uint8_t* bytes, size_t size, const std
   TORCH_CHECK(static_cast<uint64_t>(expected_begin) == data_size, "safetensors file '", source,
               "': the tensors end at data offset ", expected_begin, " but the data section is ", data_size,
               " bytes long", static_cast<uint64_t>(expected_begin) < data_size ? " (trailing bytes)" : " (truncated)");
-  for (size_t position = 0; position < result.tensors.size(); ++position) result.index[result.tensors[position].name] = position;
+  for (size_t position = 0; position < result.tensors.size(); ++position)
+    result.index[result.tensors[position].name] = position;
   return result;
 }
 
@@ -263,15 +279,15 @@ void SafetensorsReader::read_rows(const std::string& name, int64_t row_begin, in
               total_rows, " rows");
   const int64_t bytes = row_count * row_bytes(name);
   const int64_t offset = header_.data_offset + found.begin + row_begin * row_bytes(name);
-  file_->read_exactly(destination, static_cast<size_t>(bytes), static_cast<uint64_t>(offset),
-                      "tensor '" + name + "' rows [" + std::to_string(row_begin) + ", " +
-                          std::to_string(row_begin + row_count) + ")");
+  file_->read_exactly(
+      destination, static_cast<size_t>(bytes), static_cast<uint64_t>(offset),
+      "tensor '" + name + "' rows [" + std::to_string(row_begin) + ", " + std::to_string(row_begin + row_count) + ")");
 }
 
 const SafetensorsTensorInfo& SafetensorsReader::info(const std::string& name) const {
   const auto* found = header_.find(name);
-  TORCH_CHECK(found, "safetensors file '", path_, "' has no tensor named '", name, "' (it has ",
-              header_.tensors.size(), " tensors)");
+  TORCH_CHECK(found, "safetensors file '", path_, "' has no tensor named '", name, "' (it has ", header_.tensors.size(),
+              " tensors)");
   return *found;
 }
 
@@ -364,9 +380,9 @@ std::string header_text(const std::vector<PlannedTensor>& planned, const std::ma
   for (const auto& item : planned) {
     if (!first) text += ",";
     first = false;
-    text += nlohmann::json(item.entry.name).dump() + ":{\"dtype\":\"" + item.entry.dtype + "\",\"shape\":" +
-            nlohmann::json(item.entry.shape).dump() + ",\"data_offsets\":[" + std::to_string(item.begin) + "," +
-            std::to_string(item.end) + "]}";
+    text += nlohmann::json(item.entry.name).dump() + ":{\"dtype\":\"" + item.entry.dtype +
+            "\",\"shape\":" + nlohmann::json(item.entry.shape).dump() + ",\"data_offsets\":[" +
+            std::to_string(item.begin) + "," + std::to_string(item.end) + "]}";
   }
   text += "}";
   text.append((8 - text.size() % 8) % 8, ' ');
@@ -401,8 +417,8 @@ void emit(const std::vector<PlannedTensor>& planned, const std::map<std::string,
     } else {
       write_data(item.entry, counted);
     }
-    TORCH_CHECK(written == expected, "write_safetensors: ", written, " bytes given for '", item.entry.name, "', expected ",
-                expected);
+    TORCH_CHECK(written == expected, "write_safetensors: ", written, " bytes given for '", item.entry.name,
+                "', expected ", expected);
   }
 }
 
@@ -413,19 +429,21 @@ int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_
   TORCH_CHECK(entry, "unknown safetensors dtype '", dtype, "'");
   int64_t numel = 1;
   for (auto extent : shape) {
-    TORCH_CHECK(extent >= 0 && !__builtin_mul_overflow(numel, extent, &numel), "a shape with a negative or overflowing size");
+    TORCH_CHECK(extent >= 0 && !__builtin_mul_overflow(numel, extent, &numel),
+                "a shape with a negative or overflowing size");
   }
   int64_t bits = 0;
-  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(entry->bits), &bits) && bits % 8 == 0,
-              "a ", dtype, " tensor of this shape does not fill whole bytes");
+  TORCH_CHECK(!__builtin_mul_overflow(numel, static_cast<int64_t>(entry->bits), &bits) && bits % 8 == 0, "a ", dtype,
+              " tensor of this shape does not fill whole bytes");
   return bits / 8;
 }
 
 std::string serialize_safetensors(const std::vector<std::pair<std::string, at::Tensor>>& tensors,
                                   const std::map<std::string, std::string>& metadata) {
   std::string bytes;
-  emit(plan(tensors), metadata, [&](const void* data, size_t size) { bytes.append(static_cast<const char*>(data), size); },
-       nullptr);
+  emit(
+      plan(tensors), metadata,
+      [&](const void* data, size_t size) { bytes.append(static_cast<const char*>(data), size); }, nullptr);
   return bytes;
 }
 

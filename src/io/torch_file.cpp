@@ -1,8 +1,7 @@
-#include <fsdp/torch_file.h>
-
 #include <c10/util/Exception.h>
 #include <caffe2/serialize/in_memory_adapter.h>
 #include <caffe2/serialize/inline_container.h>
+#include <fsdp/torch_file.h>
 #include <torch/csrc/jit/serialization/import_read.h>
 #include <torch/csrc/jit/serialization/pickle.h>
 #include <torch/csrc/jit/serialization/pickler.h>
@@ -10,8 +9,8 @@
 
 #include <cstring>
 #include <map>
-#include <set>
 #include <memory>
+#include <set>
 #include <unordered_set>
 
 #include "io/atomic_file.h"
@@ -62,7 +61,8 @@ at::Tensor placeholder_tensor(const std::vector<int64_t>& shape, c10::ScalarType
 namespace {
 
 // The record layout of torch::pickle_save (jit::writeArchiveAndTensors): data/<i>, then data.pkl.
-void write_archive(const c10::IValue& value, const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize,
+void write_archive(const c10::IValue& value,
+                   const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize,
                    const std::function<void(const void* data, size_t size)>& sink, const std::string& source) {
   std::vector<char> pickle;
   // Untagged aggregates: a tagged dict is a call of torch.jit._pickle.restore_type_tag, which
@@ -100,7 +100,8 @@ void write_archive(const c10::IValue& value, const std::function<at::Tensor(cons
 
 void save_torch_file_streaming(const std::string& path, const c10::IValue& value,
                                const std::function<at::Tensor(const at::Tensor& placeholder)>& materialize) {
-  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { write_archive(value, materialize, sink, path); });
+  detail::write_file_atomically(path,
+                                [&](const detail::ByteSink& sink) { write_archive(value, materialize, sink, path); });
 }
 
 void write_torch_archive(const c10::IValue& value, const std::function<void(const void* data, size_t size)>& sink,
@@ -160,13 +161,20 @@ void check_declared_sizes(caffe2::serialize::PyTorchStreamReader& reader, size_t
     switch (data[position++]) {
       case '.':  // STOP
         return;
-      case 0x80: case 'K': case 'q': case 'h': case 0x82:  // PROTO BININT1 BINPUT BINGET EXT1
+      case 0x80:
+      case 'K':
+      case 'q':
+      case 'h':
+      case 0x82:  // PROTO BININT1 BINPUT BINGET EXT1
         skip(1, at);
         break;
-      case 'M': case 0x83:  // BININT2 EXT2
+      case 'M':
+      case 0x83:  // BININT2 EXT2
         skip(2, at);
         break;
-      case 'J': case 'j': case 0x84:  // BININT LONG_BINGET EXT4
+      case 'J':
+      case 'j':
+      case 0x84:  // BININT LONG_BINGET EXT4
         skip(4, at);
         break;
       case 'r': {  // LONG_BINPUT
@@ -181,26 +189,71 @@ void check_declared_sizes(caffe2::serialize::PyTorchStreamReader& reader, size_t
       case 0x95:  // FRAME: the length of the frame that follows
         need(little_endian(8, at), at);
         break;
-      case 'U': case 'C': case 0x8c: case 0x8a:  // SHORT_BINSTRING SHORT_BINBYTES SHORT_BINUNICODE LONG1
+      case 'U':
+      case 'C':
+      case 0x8c:
+      case 0x8a:  // SHORT_BINSTRING SHORT_BINBYTES SHORT_BINUNICODE LONG1
         skip(little_endian(1, at), at);
         break;
-      case 'T': case 'B': case 'X': case 0x8b:  // BINSTRING BINBYTES BINUNICODE LONG4
+      case 'T':
+      case 'B':
+      case 'X':
+      case 0x8b:  // BINSTRING BINBYTES BINUNICODE LONG4
         skip(little_endian(4, at), at);
         break;
-      case 0x8e: case 0x8d: case 0x96:  // BINBYTES8 BINUNICODE8 BYTEARRAY8
+      case 0x8e:
+      case 0x8d:
+      case 0x96:  // BINBYTES8 BINUNICODE8 BYTEARRAY8
         skip(little_endian(8, at), at);
         break;
-      case 'I': case 'L': case 'F': case 'S': case 'V': case 'P': case 'p': case 'g':  // text arguments
+      case 'I':
+      case 'L':
+      case 'F':
+      case 'S':
+      case 'V':
+      case 'P':
+      case 'p':
+      case 'g':  // text arguments
         skip_line(at);
         break;
-      case 'c': case 'i':  // GLOBAL INST: module and name lines
+      case 'c':
+      case 'i':  // GLOBAL INST: module and name lines
         skip_line(at);
         skip_line(at);
         break;
-      case '(': case '0': case '1': case '2': case 'N': case 0x88: case 0x89: case ')': case ']': case '}':
-      case 0x85: case 0x86: case 0x87: case 't': case 'l': case 'a': case 'e': case 'd': case 's': case 'u':
-      case 'R': case 'b': case 0x81: case 0x92: case 0x93: case 0x94: case 'Q': case 0x8f: case 0x90: case 0x91:
-      case 'o': case 0x97: case 0x98:  // no argument
+      case '(':
+      case '0':
+      case '1':
+      case '2':
+      case 'N':
+      case 0x88:
+      case 0x89:
+      case ')':
+      case ']':
+      case '}':
+      case 0x85:
+      case 0x86:
+      case 0x87:
+      case 't':
+      case 'l':
+      case 'a':
+      case 'e':
+      case 'd':
+      case 's':
+      case 'u':
+      case 'R':
+      case 'b':
+      case 0x81:
+      case 0x92:
+      case 0x93:
+      case 0x94:
+      case 'Q':
+      case 0x8f:
+      case 0x90:
+      case 0x91:
+      case 'o':
+      case 0x97:
+      case 0x98:  // no argument
         break;
       default:  // not an opcode: the unpickler names it
         return;
@@ -265,8 +318,9 @@ void check_tensors_inside_storages(const c10::IValue& root) {
     if (!value.isTensor()) continue;
     const auto& tensor = value.toTensor();
     if (!tensor.defined() || tensor.layout() != at::kStrided || !tensor.has_storage() || tensor.numel() == 0) continue;
-    const bool fits = view_fits(tensor.storage_offset(), tensor.sizes(), tensor.strides(),
-                                static_cast<int64_t>(tensor.element_size()), static_cast<int64_t>(tensor.storage().nbytes()));
+    const bool fits =
+        view_fits(tensor.storage_offset(), tensor.sizes(), tensor.strides(),
+                  static_cast<int64_t>(tensor.element_size()), static_cast<int64_t>(tensor.storage().nbytes()));
     TORCH_CHECK(fits, "a ", tensor.scalar_type(), " tensor of shape ", tensor.sizes(), ", strides ", tensor.strides(),
                 " and storage offset ", tensor.storage_offset(), " reaches past its ", tensor.storage().nbytes(),
                 "-byte storage");
@@ -357,7 +411,7 @@ class RestrictedArchive {
 
   static const std::set<std::string>& allowed_globals() {
     static const std::set<std::string> names = [] {
-      std::set<std::string> allowed = {detail::kPersistentLoad, "collections.OrderedDict",
+      std::set<std::string> allowed = {detail::kPersistentLoad,           "collections.OrderedDict",
                                        "torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3",
                                        "torch._utils._rebuild_parameter", "torch.storage.UntypedStorage"};
       for (const auto& [name, dtype] : typed_storages()) allowed.insert(name);
@@ -400,7 +454,8 @@ class RestrictedArchive {
   const detail::PickleValue& fields_of(const detail::PickleValue& object, const char* what) const {
     using Kind = detail::PickleValue::Kind;
     const auto* state = object.state;
-    if (state != nullptr && state->kind == Kind::kTuple && state->items.size() == 2 && state->items[1]->kind == Kind::kDict) {
+    if (state != nullptr && state->kind == Kind::kTuple && state->items.size() == 2 &&
+        state->items[1]->kind == Kind::kDict) {
       state = state->items[1];
     }
     TORCH_CHECK(state != nullptr && state->kind == Kind::kDict, where(), "has a ", what, " (", object.describe(),
@@ -428,8 +483,9 @@ class RestrictedArchive {
     const auto global = integers(size->arguments->items[0], "has a ShardedTensor whose size", /*list_too=*/true);
     c10::impl::GenericList shards(c10::AnyType::get());
     for (const auto* shard : state[0]->items) {
-      TORCH_CHECK(shard->kind == Kind::kObject && shard->callee->text == "torch.distributed._shard.sharded_tensor.shard.Shard",
-                  where(), "has a ShardedTensor whose local shard is a ", shard->describe());
+      TORCH_CHECK(
+          shard->kind == Kind::kObject && shard->callee->text == "torch.distributed._shard.sharded_tensor.shard.Shard",
+          where(), "has a ShardedTensor whose local shard is a ", shard->describe());
       const auto& fields = fields_of(*shard, "Shard");
       const auto* data = fields.find("tensor");
       const auto* shard_metadata = fields.find("metadata");
@@ -456,27 +512,41 @@ class RestrictedArchive {
 
   static const std::map<std::string, c10::ScalarType>& typed_storages() {
     static const std::map<std::string, c10::ScalarType> storages = {
-        {"torch.DoubleStorage", c10::kDouble},  {"torch.FloatStorage", c10::kFloat},
-        {"torch.HalfStorage", c10::kHalf},      {"torch.BFloat16Storage", c10::kBFloat16},
-        {"torch.LongStorage", c10::kLong},      {"torch.IntStorage", c10::kInt},
-        {"torch.ShortStorage", c10::kShort},    {"torch.CharStorage", c10::kChar},
-        {"torch.ByteStorage", c10::kByte},      {"torch.BoolStorage", c10::kBool},
-        {"torch.ComplexFloatStorage", c10::kComplexFloat}, {"torch.ComplexDoubleStorage", c10::kComplexDouble}};
+        {"torch.DoubleStorage", c10::kDouble},
+        {"torch.FloatStorage", c10::kFloat},
+        {"torch.HalfStorage", c10::kHalf},
+        {"torch.BFloat16Storage", c10::kBFloat16},
+        {"torch.LongStorage", c10::kLong},
+        {"torch.IntStorage", c10::kInt},
+        {"torch.ShortStorage", c10::kShort},
+        {"torch.CharStorage", c10::kChar},
+        {"torch.ByteStorage", c10::kByte},
+        {"torch.BoolStorage", c10::kBool},
+        {"torch.ComplexFloatStorage", c10::kComplexFloat},
+        {"torch.ComplexDoubleStorage", c10::kComplexDouble}};
     return storages;
   }
   // The dtypes _rebuild_tensor_v3 names (a torch.dtype pickles as the global torch.<name>).
   static const std::map<std::string, c10::ScalarType>& dtype_names() {
-    static const std::map<std::string, c10::ScalarType> dtypes = {
-        {"torch.float64", c10::kDouble},          {"torch.float32", c10::kFloat},
-        {"torch.float16", c10::kHalf},            {"torch.bfloat16", c10::kBFloat16},
-        {"torch.int64", c10::kLong},              {"torch.int32", c10::kInt},
-        {"torch.int16", c10::kShort},             {"torch.int8", c10::kChar},
-        {"torch.uint8", c10::kByte},              {"torch.bool", c10::kBool},
-        {"torch.complex64", c10::kComplexFloat},  {"torch.complex128", c10::kComplexDouble},
-        {"torch.uint16", c10::kUInt16},           {"torch.uint32", c10::kUInt32},
-        {"torch.uint64", c10::kUInt64},           {"torch.float8_e4m3fn", c10::kFloat8_e4m3fn},
-        {"torch.float8_e5m2", c10::kFloat8_e5m2}, {"torch.float8_e4m3fnuz", c10::kFloat8_e4m3fnuz},
-        {"torch.float8_e5m2fnuz", c10::kFloat8_e5m2fnuz}};
+    static const std::map<std::string, c10::ScalarType> dtypes = {{"torch.float64", c10::kDouble},
+                                                                  {"torch.float32", c10::kFloat},
+                                                                  {"torch.float16", c10::kHalf},
+                                                                  {"torch.bfloat16", c10::kBFloat16},
+                                                                  {"torch.int64", c10::kLong},
+                                                                  {"torch.int32", c10::kInt},
+                                                                  {"torch.int16", c10::kShort},
+                                                                  {"torch.int8", c10::kChar},
+                                                                  {"torch.uint8", c10::kByte},
+                                                                  {"torch.bool", c10::kBool},
+                                                                  {"torch.complex64", c10::kComplexFloat},
+                                                                  {"torch.complex128", c10::kComplexDouble},
+                                                                  {"torch.uint16", c10::kUInt16},
+                                                                  {"torch.uint32", c10::kUInt32},
+                                                                  {"torch.uint64", c10::kUInt64},
+                                                                  {"torch.float8_e4m3fn", c10::kFloat8_e4m3fn},
+                                                                  {"torch.float8_e5m2", c10::kFloat8_e5m2},
+                                                                  {"torch.float8_e4m3fnuz", c10::kFloat8_e4m3fnuz},
+                                                                  {"torch.float8_e5m2fnuz", c10::kFloat8_e5m2fnuz}};
     return dtypes;
   }
 
@@ -538,7 +608,8 @@ class RestrictedArchive {
     } else {
       auto storage_class = typed_storages().find(fields[1]->text);
       TORCH_CHECK(storage_class != typed_storages().end(), where(), "has a _rebuild_tensor_v2 over a storage of class ",
-                  fields[1]->text, ", expected one of torch's typed storages (torch.FloatStorage, torch.HalfStorage, ...)");
+                  fields[1]->text,
+                  ", expected one of torch's typed storages (torch.FloatStorage, torch.HalfStorage, ...)");
       dtype = storage_class->second;
       TORCH_CHECK(!c10::mul_overflows(fields[4]->integer, static_cast<int64_t>(c10::elementSize(dtype)), &bytes),
                   where(), "has a storage of ", fields[4]->integer, " elements, too many");
@@ -557,8 +628,8 @@ class RestrictedArchive {
                     .first;
     }
     // A storage shared by several tensors: every reference must give it the same length.
-    TORCH_CHECK(static_cast<int64_t>(storage->second.nbytes()) == bytes, where(), "refers to storage '", key,
-                "' as ", bytes, " bytes and elsewhere as ", storage->second.nbytes());
+    TORCH_CHECK(static_cast<int64_t>(storage->second.nbytes()) == bytes, where(), "refers to storage '", key, "' as ",
+                bytes, " bytes and elsewhere as ", storage->second.nbytes());
     const auto sizes = integers(arguments[2], "has a tensor whose size");
     const auto strides = integers(arguments[3], "has a tensor whose stride");
     TORCH_CHECK(sizes.size() == strides.size(), where(), "has a tensor with ", sizes.size(), " sizes and ",
@@ -568,10 +639,10 @@ class RestrictedArchive {
     const int64_t offset = arguments[1]->integer;
     TORCH_CHECK(view_fits(offset, sizes, strides, static_cast<int64_t>(c10::elementSize(dtype)),
                           static_cast<int64_t>(storage->second.nbytes())),
-                where(), "has a ",
-                dtype, " tensor of sizes ", sizes, ", strides ", strides, " and storage offset ", offset,
-                " that reaches past its ", storage->second.nbytes(), "-byte storage '", key, "'");
-    return at::empty({0}, at::TensorOptions().dtype(dtype)).set_(storage->second, arguments[1]->integer, sizes, strides);
+                where(), "has a ", dtype, " tensor of sizes ", sizes, ", strides ", strides, " and storage offset ",
+                offset, " that reaches past its ", storage->second.nbytes(), "-byte storage '", key, "'");
+    return at::empty({0}, at::TensorOptions().dtype(dtype))
+        .set_(storage->second, arguments[1]->integer, sizes, strides);
   }
 
   caffe2::serialize::PyTorchStreamReader& reader_;
@@ -641,11 +712,12 @@ c10::IValue load_torch_bytes(const std::vector<char>& bytes, const std::string& 
 }
 
 detail::StateDictWithShardedTensors detail::load_state_dict_with_sharded_tensors(const std::string& path) {
-  return state_dict_with_sharded_tensors_from_bytes(ReadOnlyFile(path, in_memory_bound(), "torch file").read_all(), path);
+  return state_dict_with_sharded_tensors_from_bytes(ReadOnlyFile(path, in_memory_bound(), "torch file").read_all(),
+                                                    path);
 }
 
 detail::StateDictWithShardedTensors detail::state_dict_with_sharded_tensors_from_bytes(const std::vector<char>& bytes,
-                                                                                     const std::string& path) {
+                                                                                       const std::string& path) {
   c10::IValue value;
   try {
     value = load_torch_bytes_restricted(bytes, path, /*sharded_tensors=*/true);

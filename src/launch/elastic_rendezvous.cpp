@@ -2,7 +2,6 @@
 #include "launch/elastic_rendezvous.h"
 
 #include <c10/util/Exception.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,15 +59,14 @@ std::string seconds_text(std::chrono::milliseconds duration) {
 //      share, and hostname). The host joins first (the others wait for it, at most the join timeout
 //      when they ran the last round), so it is a member of every round.
 //   2. The host closes the round once MAX machines joined; or, after a failed round, once all of
-//      that round's machines are back (and a second passed for machines waiting to join); or once at least MIN joined and the last call passed
-//      (last_call_timeout from when MIN were there, plus --termination-grace after a failed round,
-//      so that a machine still stopping its processes is not shut out). With fewer than MIN at the
-//      join timeout, or launchers that disagree, it writes one error, which every waiting launcher
-//      raises (the host waits a few seconds for them to read it). Otherwise it orders the first MAX
-//      arrivals by --node-rank (itself first; a launcher killed while joining is left out) and
-//      writes the assignment. A machine not in it waits for the next round: it joins at the next
-//      restart (running rounds are not stopped to admit it, unlike torchrun's agents), and leaves
-//      with the job's exit code if the job ends first.
+//      that round's machines are back (and a second passed for machines waiting to join); or once at least MIN joined
+//      and the last call passed (last_call_timeout from when MIN were there, plus --termination-grace after a failed
+//      round, so that a machine still stopping its processes is not shut out). With fewer than MIN at the join timeout,
+//      or launchers that disagree, it writes one error, which every waiting launcher raises (the host waits a few
+//      seconds for them to read it). Otherwise it orders the first MAX arrivals by --node-rank (itself first; a
+//      launcher killed while joining is left out) and writes the assignment. A machine not in it waits for the next
+//      round: it joins at the next restart (running rounds are not stopped to admit it, unlike torchrun's agents), and
+//      leaves with the job's exit code if the job ends first.
 //   3. Each launcher starts its processes with the ranks of its place (GROUP_RANK, GROUP_WORLD_SIZE
 //      and WORLD_SIZE of this round). A RoundWatch thread writes this machine's first failure the
 //      moment a process fails (first writer wins), and looks for another machine's every 250 ms;
@@ -89,8 +87,9 @@ std::string seconds_text(std::chrono::milliseconds duration) {
 ElasticRendezvous::ElasticRendezvous(const LaunchOptions& options) : options_(options) {
   // A fixed size (--nnodes N) is MIN = MAX = N: every round waits for all N machines.
   options_.min_nnodes = min_nodes(options);
-  self_ = Member{options_.node_rank, options_.nproc_per_node, options_.min_nnodes, options_.nnodes,
-                 options_.max_restarts, options_.termination_grace.count(), this_hostname()};
+  self_ = Member{options_.node_rank, options_.nproc_per_node, options_.min_nnodes,
+                 options_.nnodes,    options_.max_restarts,   options_.termination_grace.count(),
+                 this_hostname()};
   store_ = std::make_unique<AgentStore>(options.master_addr, options.master_port, options.node_rank == 0,
                                         options.join_timeout);
 }
@@ -147,8 +146,8 @@ std::string ElasticRendezvous::assignment_of(int64_t round, int64_t count) {
                ":" + std::to_string(of.max_nodes) + " --max-restarts " + std::to_string(of.max_restarts) +
                " --termination-grace " + seconds_text(std::chrono::milliseconds(of.termination_grace_ms));
       };
-      error = "the launcher of --node-rank " + std::to_string(member.node_rank) + " (on " + member.hostname +
-              ") has " + settings(member) + " but the host's are " + settings(self_) +
+      error = "the launcher of --node-rank " + std::to_string(member.node_rank) + " (on " + member.hostname + ") has " +
+              settings(member) + " but the host's are " + settings(self_) +
               "; every machine's launcher needs the same ones";
     }
   }
@@ -194,7 +193,8 @@ void ElasticRendezvous::close_round(int64_t round, const std::optional<RoundMemb
     }
     if (Clock::now() - joined_at > options_.join_timeout) {
       std::string present;
-      for (const auto& [index, node_rank] : node_rank_of) present += (present.empty() ? "" : ", ") + std::to_string(node_rank);
+      for (const auto& [index, node_rank] : node_rank_of)
+        present += (present.empty() ? "" : ", ") + std::to_string(node_rank);
       std::ostringstream error;
       error << "error only " << joined << " of at least " << options_.min_nnodes << " machines (--nnodes "
             << options_.min_nnodes << ":" << options_.nnodes << ") joined within the join timeout of "
@@ -247,9 +247,10 @@ std::optional<RoundMembership> ElasticRendezvous::join(int64_t round, const std:
     const auto waiting_since = Clock::now();
     while (!host && !store_->try_get(key(round, "host_joined"))) {
       if (job_ended()) return std::nullopt;
-      TORCH_CHECK(!admitted_before || Clock::now() - waiting_since < options_.join_timeout, "fsdp launch: round ", round,
-                  ": the launcher of --node-rank 0 did not open it within the join timeout (",
-                  seconds(options_.join_timeout), " s) after round ", round - 1, " failed. It opens the next round "
+      TORCH_CHECK(!admitted_before || Clock::now() - waiting_since < options_.join_timeout, "fsdp launch: round ",
+                  round, ": the launcher of --node-rank 0 did not open it within the join timeout (",
+                  seconds(options_.join_timeout), " s) after round ", round - 1,
+                  " failed. It opens the next round "
                   "once its own processes stopped: check that machine (processes that ignore SIGTERM are killed after "
                   "--termination-grace), or raise --rdzv-conf join_timeout.");
       std::this_thread::sleep_for(kPoll);
@@ -304,11 +305,14 @@ bool ElasticRendezvous::finish_round(const RoundMembership& membership) {
     }
     if (Clock::now() >= deadline) {
       if (options_.report_restart) {
-        options_.report_restart("round " + std::to_string(membership.round) + ": this machine's processes all exited "
+        options_.report_restart("round " + std::to_string(membership.round) +
+                                ": this machine's processes all exited "
                                 "0, but not every other machine's had within the join timeout (" +
-                                seconds_text(options_.join_timeout) + " s) and none reported a failure; "
+                                seconds_text(options_.join_timeout) +
+                                " s) and none reported a failure; "
                                 "leaving with exit code 0 (as torchrun's exit barrier). Check the launchers of node "
-                                "ranks " + list(membership.node_ranks) + ".");
+                                "ranks " +
+                                list(membership.node_ranks) + ".");
       }
       return true;
     }

@@ -2,10 +2,6 @@
 // rounds]): who is in it, which ranks each machine runs, and whether it failed somewhere.
 #pragma once
 
-#include "launch/launch_options.h"
-
-#include "dist/agent_store.h"
-
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -13,6 +9,9 @@
 #include <string>
 #include <thread>
 #include <vector>
+
+#include "dist/agent_store.h"
+#include "launch/launch_options.h"
 
 namespace fsdp::detail {
 
@@ -48,8 +47,7 @@ class ElasticRendezvous {
   /// another machine waits at most the join timeout for the host to open it. Returns nullopt when
   /// the job ended meanwhile, with its exit code in `ended_with`. With fewer than MIN machines after
   /// the join timeout, or launchers that disagree, every waiting launcher throws the same error.
-  std::optional<RoundMembership> join(int64_t round, const std::optional<RoundMembership>& previous,
-                                      int& ended_with);
+  std::optional<RoundMembership> join(int64_t round, const std::optional<RoundMembership>& previous, int& ended_with);
 
   /// The failure reported for `round`, if any (one request to the store).
   std::optional<RoundFailure> failure(int64_t round);

@@ -20,19 +20,25 @@ void validate(const LaunchOptions& options) {
   TORCH_CHECK(options.master_port >= 0 && options.master_port <= 65535, "fsdp launch: --master-port ",
               options.master_port, " is not a TCP port; expected [1, 65535], or 0 for a free one.");
   if (options.nnodes > 1) {
-    TORCH_CHECK(options.master_port != 0, "fsdp launch: --master-port 0 picks a port on this machine only, but the "
-                                          "job spans ", options.nnodes,
+    TORCH_CHECK(options.master_port != 0,
+                "fsdp launch: --master-port 0 picks a port on this machine only, but the "
+                "job spans ",
+                options.nnodes,
                 " machines that must agree on it; give the same explicit --master-port on every machine.");
     const bool loopback = options.master_addr.rfind("127.", 0) == 0 || options.master_addr == "localhost";
-    TORCH_CHECK(!loopback, "fsdp launch: --master-addr ", options.master_addr, " is a loopback address but the job "
-                           "spans ", options.nnodes,
-                " machines; pass the address of the machine with --node-rank 0.");
+    TORCH_CHECK(!loopback, "fsdp launch: --master-addr ", options.master_addr,
+                " is a loopback address but the job "
+                "spans ",
+                options.nnodes, " machines; pass the address of the machine with --node-rank 0.");
   }
-  TORCH_CHECK(!options.command.empty(), "fsdp launch: no program given; put the command after `--`, e.g. "
-                                        "`fsdp launch --nproc-per-node 2 -- ./train --steps 10`.");
+  TORCH_CHECK(!options.command.empty(),
+              "fsdp launch: no program given; put the command after `--`, e.g. "
+              "`fsdp launch --nproc-per-node 2 -- ./train --steps 10`.");
 }
 
-int64_t min_nodes(const LaunchOptions& options) { return options.min_nnodes == 0 ? options.nnodes : options.min_nnodes; }
+int64_t min_nodes(const LaunchOptions& options) {
+  return options.min_nnodes == 0 ? options.nnodes : options.min_nnodes;
+}
 
 bool is_elastic(const LaunchOptions& options) {
   return options.nnodes > 1 && (options.max_restarts > 0 || min_nodes(options) < options.nnodes);

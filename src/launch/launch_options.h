@@ -3,13 +3,13 @@
 // each other.
 #pragma once
 
+#include <fsdp/distributed_environment.h>
+
 #include <chrono>
 #include <cstdint>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <fsdp/distributed_environment.h>
 
 namespace fsdp::detail {
 

@@ -1,12 +1,8 @@
 // See launcher.h.
 #include "launch/launcher.h"
 
-#include "launch/elastic_rendezvous.h"
-#include "launch/process_set.h"
-
-#include <c10/util/Exception.h>
-
 #include <arpa/inet.h>
+#include <c10/util/Exception.h>
 #include <netinet/in.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -14,11 +10,13 @@
 #include <cerrno>
 #include <csignal>
 #include <cstring>
-#include <utility>
 #include <fstream>
 #include <random>
 #include <sstream>
 #include <utility>
+
+#include "launch/elastic_rendezvous.h"
+#include "launch/process_set.h"
 
 namespace fsdp::detail {
 
@@ -48,8 +46,10 @@ EnvironmentMap worker_environment(const LaunchOptions& options, const Environmen
   environment["TORCHELASTIC_RESTART_COUNT"] = std::to_string(restart_count);
   environment["TORCHELASTIC_MAX_RESTARTS"] = std::to_string(options.max_restarts);
   // The launchers' store serves the workers too (Note [elastic rounds]), as torchrun's agent's does.
-  if (place.agent_store) environment["TORCHELASTIC_USE_AGENT_STORE"] = "True";
-  else environment.erase("TORCHELASTIC_USE_AGENT_STORE");
+  if (place.agent_store)
+    environment["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  else
+    environment.erase("TORCHELASTIC_USE_AGENT_STORE");
   // As torchrun: several processes each spawning one thread per core would oversubscribe the CPU.
   if (options.nproc_per_node > 1 && environment.find("OMP_NUM_THREADS") == environment.end()) {
     environment["OMP_NUM_THREADS"] = "1";
@@ -190,7 +190,8 @@ RoundResult run_round(const LaunchOptions& options, const EnvironmentMap& base, 
     std::string following;
     for (const auto index : outcome.failure_order) {
       const auto& other = outcome.outcomes[index];
-      const bool stopped = other.stopped_by_parent && (other.exit_code == 128 + SIGTERM || other.exit_code == 128 + SIGKILL);
+      const bool stopped =
+          other.stopped_by_parent && (other.exit_code == 128 + SIGTERM || other.exit_code == 128 + SIGKILL);
       if (index == *outcome.first_failure || stopped) continue;
       following += (following.empty() ? "" : ", ") + specs[index].label + " with " +
                    describe_exit(outcome.outcomes[index].exit_code);
@@ -241,7 +242,8 @@ LaunchResult launch_elastic(const LaunchOptions& options, const EnvironmentMap& 
       LaunchResult result;
       result.exit_code = ended_with;
       result.message = "the job ended (" + describe_exit(ended_with) + ") while this machine (--node-rank " +
-                       std::to_string(options.node_rank) + ") waited to join it; a machine that arrives while a round "
+                       std::to_string(options.node_rank) +
+                       ") waited to join it; a machine that arrives while a round "
                        "runs joins at the next restart, and there was none.";
       return result;
     }
@@ -300,7 +302,8 @@ LaunchResult launch_elastic(const LaunchOptions& options, const EnvironmentMap& 
       // A signal on a machine other than the host's (a preemption, say) takes that machine out of
       // the job as a lost one would be: the others go on without it, as torchrun's agents do. On the
       // host, whose store the others need, it ends the job.
-      failure = rendezvous.report_failure(round, RoundFailure{result.exit_code, result.message, outcome.interrupted && host});
+      failure =
+          rendezvous.report_failure(round, RoundFailure{result.exit_code, result.message, outcome.interrupted && host});
     }
     if (outcome.interrupted || failure.interrupted) {
       rendezvous.leave(*membership, result.exit_code);
@@ -330,7 +333,8 @@ LaunchResult launch(LaunchOptions options, const EnvironmentMap& base) {
   const bool pick_port = options.master_port == 0;
   for (int64_t restart = 0;; ++restart) {
     if (pick_port) options.master_port = pick_free_port();
-    auto [result, interrupted, stopped] = run_round(options, base, RoundPlace{options.node_rank, options.nnodes, restart});
+    auto [result, interrupted, stopped] =
+        run_round(options, base, RoundPlace{options.node_rank, options.nnodes, restart});
     if (result.exit_code == 0 || interrupted || restart >= options.max_restarts) {
       if (result.exit_code != 0 && options.max_restarts > 0 && !interrupted) {
         result.message += " No restart left (--max-restarts " + std::to_string(options.max_restarts) + ", " +

@@ -9,12 +9,12 @@
 // [elastic rounds]).
 #pragma once
 
+#include <fsdp/distributed_environment.h>
+
 #include <chrono>
 #include <functional>
 #include <string>
 #include <vector>
-
-#include <fsdp/distributed_environment.h>
 
 #include "launch/launch_options.h"
 

@@ -2,10 +2,6 @@
 #include "launch/process_set.h"
 
 #include <c10/util/Exception.h>
-
-#include <cerrno>
-#include <csignal>
-#include <cstring>
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/prctl.h>
@@ -14,6 +10,9 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
+#include <csignal>
+#include <cstring>
 #include <thread>
 
 namespace fsdp::detail {
@@ -30,7 +29,7 @@ class SignalForwarding {
   explicit SignalForwarding(bool enabled) : enabled_(enabled) {
     if (!enabled_) return;
     received_signal.store(0);
-    struct sigaction action {};
+    struct sigaction action{};
     action.sa_handler = remember_signal;
     sigemptyset(&action.sa_mask);
     sigaction(SIGINT, &action, &previous_interrupt_);
@@ -46,8 +45,8 @@ class SignalForwarding {
 
  private:
   bool enabled_;
-  struct sigaction previous_interrupt_ {};
-  struct sigaction previous_terminate_ {};
+  struct sigaction previous_interrupt_{};
+  struct sigaction previous_terminate_{};
 };
 
 // Which child failed first: a rank that dies because another did (its connection closed) exits
@@ -81,7 +80,7 @@ class ChildExitWakeup {
     }
     read_ = descriptors[0];
     write_ = descriptors[1];
-    struct sigaction action {};
+    struct sigaction action{};
     action.sa_handler = note_child_exit;
     sigemptyset(&action.sa_mask);
     action.sa_flags = SA_RESTART | SA_NOCLDSTOP;
@@ -107,7 +106,7 @@ class ChildExitWakeup {
  private:
   int read_ = -1;
   int write_ = -1;
-  struct sigaction previous_ {};
+  struct sigaction previous_{};
 };
 
 struct RelayedStream {
@@ -169,7 +168,8 @@ Child spawn(const ProcessSpec& spec) {
   int output_pipes[2][2] = {{-1, -1}, {-1, -1}};
   int output_file = -1;
   if (spec.output == OutputMode::kLinePrefix) {
-    for (auto& pipe_fds : output_pipes) TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
+    for (auto& pipe_fds : output_pipes)
+      TORCH_CHECK(::pipe2(pipe_fds, O_CLOEXEC) == 0, "launch: pipe failed: ", std::strerror(errno));
   } else if (spec.output == OutputMode::kFile) {
     output_file = ::open(spec.output_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
     TORCH_CHECK(output_file >= 0, "launch: cannot open log file '", spec.output_path, "' for ", spec.label, ": ",
@@ -187,7 +187,7 @@ Child spawn(const ProcessSpec& spec) {
     ::setpgid(0, 0);
     ::prctl(PR_SET_PDEATHSIG, SIGTERM);
     if (::getppid() != parent) ::_exit(128 + SIGTERM);
-    struct sigaction default_action {};
+    struct sigaction default_action{};
     default_action.sa_handler = SIG_DFL;
     sigemptyset(&default_action.sa_mask);
     ::sigaction(SIGINT, &default_action, nullptr);
@@ -242,10 +242,11 @@ void signal_all(std::vector<Child>& children, int signal_number) {
 }  // namespace
 
 std::string resolve_program(const std::string& program, const EnvironmentMap& environment) {
-  TORCH_CHECK(!program.empty(), "launch: no program given; put the command after `--`, e.g. `fsdp launch "
-                                "--nproc-per-node 2 -- ./train`.");
+  TORCH_CHECK(!program.empty(),
+              "launch: no program given; put the command after `--`, e.g. `fsdp launch "
+              "--nproc-per-node 2 -- ./train`.");
   auto executable = [](const std::string& path) {
-    struct stat info {};
+    struct stat info{};
     return ::stat(path.c_str(), &info) == 0 && S_ISREG(info.st_mode) && ::access(path.c_str(), X_OK) == 0;
   };
   if (program.find('/') != std::string::npos) {
@@ -265,8 +266,8 @@ std::string resolve_program(const std::string& program, const EnvironmentMap& en
     if (colon == std::string::npos) break;
     start = colon + 1;
   }
-  TORCH_CHECK(false, "launch: program '", program, "' was not found in PATH (", path,
-              "); give its path, e.g. ./", program, ".");
+  TORCH_CHECK(false, "launch: program '", program, "' was not found in PATH (", path, "); give its path, e.g. ./",
+              program, ".");
 }
 
 ProcessSetResult run_process_set(const std::vector<ProcessSpec>& specs, const ProcessSetOptions& options) {

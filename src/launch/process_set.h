@@ -6,13 +6,13 @@
 // watchdog timeout and SIGINT/SIGTERM to the parent stop the set the same way.
 #pragma once
 
+#include <fsdp/distributed_environment.h>
+
 #include <chrono>
 #include <functional>
 #include <optional>
 #include <string>
 #include <vector>
-
-#include <fsdp/distributed_environment.h>
 
 namespace fsdp::detail {
 

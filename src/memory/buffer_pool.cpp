@@ -23,7 +23,7 @@ struct BusyBlock {
 
 struct Pool {
   std::mutex mutex;
-  std::deque<FreeBlock> free_blocks;  // oldest first
+  std::deque<FreeBlock> free_blocks;   // oldest first
   std::vector<BusyBlock> busy_blocks;  // Note [a block returns after its last use]
 };
 

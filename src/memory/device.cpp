@@ -1,10 +1,9 @@
 #include "memory/device.h"
 
-#include <fsdp/device.h>
-
 #include <ATen/ATen.h>
 #include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <c10/core/impl/VirtualGuardImpl.h>
+#include <fsdp/device.h>
 
 #ifdef FSDP_WITH_CUDA
 #include <c10/cuda/CUDACachingAllocator.h>
@@ -48,8 +47,7 @@ c10::Device default_device(int64_t local_rank) {
     return c10::Device(c10::kCPU);
   }
   TORCH_CHECK(local_rank >= 0 && local_rank < count, "[local rank ", local_rank, "] this machine's ranks get one GPU ",
-              "each, but the process sees ", count, " GPU", count == 1 ? "" : "s",
-              ", so local rank ", local_rank,
+              "each, but the process sees ", count, " GPU", count == 1 ? "" : "s", ", so local rank ", local_rank,
               " has none (NCCL refuses two ranks on one GPU). Start at most ", count,
               " ranks per machine (fsdp launch --nproc-per-node ", count,
               "), check CUDA_VISIBLE_DEVICES, or set FSDP_DEVICE=cpu.");
@@ -85,9 +83,7 @@ namespace detail {
 
 bool has_streams(c10::Device device) { return !device.is_cpu() && !device.is_meta(); }
 
-c10::Stream current_stream(c10::Device device) {
-  return c10::impl::VirtualGuardImpl(device.type()).getStream(device);
-}
+c10::Stream current_stream(c10::Device device) { return c10::impl::VirtualGuardImpl(device.type()).getStream(device); }
 
 c10::Stream side_stream(c10::Device device, SideStream kind) {
   TORCH_INTERNAL_ASSERT(has_streams(device), "side streams are for GPUs, not ", device);

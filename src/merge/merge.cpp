@@ -1,22 +1,20 @@
-#include <fsdp/merge.h>
-
 #include <ATen/ATen.h>
-#include <nlohmann/json.hpp>
-
-#include <cmath>
-#include <filesystem>
-#include <map>
-
 #include <fsdp/distributed_environment.h>
+#include <fsdp/merge.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/sharded_checkpoint.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/torch_file.h>
 
-#include "dist/agreement.h"
+#include <cmath>
+#include <filesystem>
+#include <map>
+#include <nlohmann/json.hpp>
+
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_reader.h"
 #include "checkpoint/hf_shards.h"
+#include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
 
@@ -37,33 +35,39 @@ fs::path normalized(const std::string& directory) {
 
 void check_input(const std::string& checkpoint_dir) {
   TORCH_CHECK(fs::exists(checkpoint_dir), "merge: checkpoint directory '", checkpoint_dir, "' does not exist");
-  TORCH_CHECK(fs::is_directory(checkpoint_dir), "merge: '", checkpoint_dir,
-              "' is a file, not a checkpoint directory; give the sharded directory (e.g. CHECKPOINT/pytorch_model_fsdp_0)");
+  TORCH_CHECK(
+      fs::is_directory(checkpoint_dir), "merge: '", checkpoint_dir,
+      "' is a file, not a checkpoint directory; give the sharded directory (e.g. CHECKPOINT/pytorch_model_fsdp_0)");
   TORCH_CHECK(!fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.bin") &&
                   !fs::exists(fs::path(checkpoint_dir) / "pytorch_model_fsdp.safetensors"),
-              "merge: '", checkpoint_dir, "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "
+              "merge: '", checkpoint_dir,
+              "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "
               "the full weights, so there is nothing to merge");
   // A PyTorch distributed checkpoint (what Accelerate's FSDP2 saves): read by DcpDirectoryReader.
   if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile) && detail::is_dcp_directory(checkpoint_dir)) return;
   if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
     std::vector<std::string> sharded;
     for (const auto& item : fs::directory_iterator(checkpoint_dir)) {
-      if (item.is_directory() && (fs::exists(item.path() / kShardedMetadataFile) || detail::is_dcp_directory(item.path().string()))) {
+      if (item.is_directory() &&
+          (fs::exists(item.path() / kShardedMetadataFile) || detail::is_dcp_directory(item.path().string()))) {
         sharded.push_back(item.path().filename());
       }
     }
     std::sort(sharded.begin(), sharded.end());
     std::string list;
     for (const auto& name : sharded) list += (list.empty() ? "" : ", ") + name;
-    TORCH_CHECK(sharded.empty(), "merge: '", checkpoint_dir, "' is a checkpoint, not a sharded directory; merge one of "
-                "its sharded directories: ", list, " (e.g. '", (fs::path(checkpoint_dir) / sharded.front()).string(), "')");
+    TORCH_CHECK(sharded.empty(), "merge: '", checkpoint_dir,
+                "' is a checkpoint, not a sharded directory; merge one of "
+                "its sharded directories: ",
+                list, " (e.g. '", (fs::path(checkpoint_dir) / sharded.front()).string(), "')");
     TORCH_CHECK(false, "merge: '", checkpoint_dir, "' has no ", kShardedMetadataFile,
                 ": it is not a sharded checkpoint directory, or its save did not finish");
   }
   // A directory written by save_checkpoint counts only once the whole checkpoint was marked complete.
   const auto parent = normalized(checkpoint_dir).parent_path();
   if (fs::exists(parent / "random_states_0.pkl") && !fs::exists(parent / "checkpoint_complete.json")) {
-    TORCH_CHECK(false, "merge: checkpoint '", parent.string(), "' is incomplete (checkpoint_complete.json is missing: "
+    TORCH_CHECK(false, "merge: checkpoint '", parent.string(),
+                "' is incomplete (checkpoint_complete.json is missing: "
                 "its save did not finish on every rank); merge an earlier checkpoint");
   }
 }
@@ -206,13 +210,15 @@ MergeResult write_merged(const Reader& reader, const nlohmann::json& extra, cons
           metadata["optimizer"] = extra["optimizer"].get<std::string>();
           metadata["param_groups"] = extra["param_groups"].dump();
         }
-        write_safetensors_streaming(path, entries, metadata, [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
-          stream_tensor(reader, entry.name, writer, advance);
-        });
+        write_safetensors_streaming(path, entries, metadata,
+                                    [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
+                                      stream_tensor(reader, entry.name, writer, advance);
+                                    });
       }
       result.tensors += static_cast<int64_t>(output.tensors.size());
     }
-    if (indexed) detail::write_file_atomically((staging / index_name).string(), detail::shard_index_json(outputs, total));
+    if (indexed)
+      detail::write_file_atomically((staging / index_name).string(), detail::shard_index_json(outputs, total));
     // Every file is complete and fsynced: drop the previous layout's files, then move ours into place.
     for (const auto& name : stale) {
       if (std::find(names.begin(), names.end(), name) == names.end()) fs::remove(fs::path(output_path) / name);
@@ -265,7 +271,8 @@ int64_t parse_byte_size(const std::string& text) {
   }
   TORCH_CHECK(used == number.size() && !number.empty() && std::isfinite(amount) && amount * factor >= 1 &&
                   amount * factor < 9.2e18,
-              "'", text, "' is not a size; write a number of at least 1 byte with an optional unit, e.g. 5GB, 500MB, "
+              "'", text,
+              "' is not a size; write a number of at least 1 byte with an optional unit, e.g. 5GB, 500MB, "
               "2GiB or 1000000");
   return static_cast<int64_t>(amount * factor);
 }

@@ -1,8 +1,7 @@
 #include <fsdp/models/llama.h>
 
-#include <nlohmann/json.hpp>
-
 #include <cmath>
+#include <nlohmann/json.hpp>
 
 namespace fsdp::models {
 namespace {
@@ -14,9 +13,10 @@ torch::Tensor rotate_half(const torch::Tensor& x) {
 }
 
 /// cos and sin [length, head_dim] of the rotary embedding (LlamaRotaryEmbedding, default rope type).
-std::pair<torch::Tensor, torch::Tensor> rotary(int64_t length, int64_t head_dim, double theta, const torch::TensorOptions& options) {
-  auto inverse_frequency =
-      1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kLong).to(torch::kFloat) / static_cast<double>(head_dim));
+std::pair<torch::Tensor, torch::Tensor> rotary(int64_t length, int64_t head_dim, double theta,
+                                               const torch::TensorOptions& options) {
+  auto inverse_frequency = 1.0 / torch::pow(theta, torch::arange(0, head_dim, 2, torch::kLong).to(torch::kFloat) /
+                                                       static_cast<double>(head_dim));
   auto positions = torch::arange(length, torch::kFloat);
   auto frequencies = torch::outer(positions, inverse_frequency);
   auto embedding = torch::cat({frequencies, frequencies}, -1);
@@ -31,7 +31,8 @@ nlohmann::json required(const nlohmann::json& config, const char* key, const std
 
 // An integer field must be written as one: nlohmann would truncate 64.5 to 64 without a word.
 int64_t integer_field(const nlohmann::json& value, const char* key, const std::string& source) {
-  TORCH_CHECK(value.is_number_integer(), "Llama config '", source, "': '", key, "' must be an integer, got ", value.dump());
+  TORCH_CHECK(value.is_number_integer(), "Llama config '", source, "': '", key, "' must be an integer, got ",
+              value.dump());
   return value.get<int64_t>();
 }
 
@@ -96,20 +97,23 @@ LlamaConfig LlamaConfig::from_json(const std::string& text, const std::string& s
   LlamaConfig result;
   try {
     TORCH_CHECK(config.is_object(), "Llama config '", source, "' is not a JSON object");
-    TORCH_CHECK(config.value("model_type", "llama") == "llama", "'", source, "' describes a ", config["model_type"].dump(),
-                " model; this program builds Llama models");
+    TORCH_CHECK(config.value("model_type", "llama") == "llama", "'", source, "' describes a ",
+                config["model_type"].dump(), " model; this program builds Llama models");
     result.vocab_size = integer_field(required(config, "vocab_size", source), "vocab_size", source);
     result.hidden_size = integer_field(required(config, "hidden_size", source), "hidden_size", source);
-    result.intermediate_size = integer_field(required(config, "intermediate_size", source), "intermediate_size", source);
-    result.num_hidden_layers = integer_field(required(config, "num_hidden_layers", source), "num_hidden_layers", source);
-    result.num_attention_heads = integer_field(required(config, "num_attention_heads", source), "num_attention_heads", source);
+    result.intermediate_size =
+        integer_field(required(config, "intermediate_size", source), "intermediate_size", source);
+    result.num_hidden_layers =
+        integer_field(required(config, "num_hidden_layers", source), "num_hidden_layers", source);
+    result.num_attention_heads =
+        integer_field(required(config, "num_attention_heads", source), "num_attention_heads", source);
     // transformers' LlamaConfig defaults for fields a file leaves out.
     result.num_key_value_heads = config.contains("num_key_value_heads") && !config["num_key_value_heads"].is_null()
                                      ? integer_field(config["num_key_value_heads"], "num_key_value_heads", source)
                                      : result.num_attention_heads;
     result.max_position_embeddings = optional_integer(config, "max_position_embeddings", 2048, source);
-    TORCH_CHECK(result.max_position_embeddings > 0, "Llama config '", source, "': 'max_position_embeddings' must be positive, got ",
-                result.max_position_embeddings);
+    TORCH_CHECK(result.max_position_embeddings > 0, "Llama config '", source,
+                "': 'max_position_embeddings' must be positive, got ", result.max_position_embeddings);
     result.rms_norm_eps = positive_number(config, "rms_norm_eps", 1e-6, source);
     result.rope_theta = positive_number(config, "rope_theta", 10000.0, source);
     if (config.contains("rope_parameters") && config["rope_parameters"].is_object()) {
@@ -201,7 +205,8 @@ LlamaConfig LlamaConfig::preset(const std::string& name) {
   if (name == "llama3-1b") return llama3(2048, 8192, 16, 32, true);
   if (name == "llama3-8b") return llama3(4096, 14336, 32, 32, false);
   if (name == "llama3-70b") return llama3(8192, 28672, 80, 64, false);
-  TORCH_CHECK(false, "unknown model preset '", name, "'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b");
+  TORCH_CHECK(false, "unknown model preset '", name,
+              "'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b");
 }
 
 LlamaRMSNormImpl::LlamaRMSNormImpl(int64_t hidden_size, double eps)
@@ -215,7 +220,9 @@ torch::Tensor LlamaRMSNormImpl::forward(const torch::Tensor& hidden) {
 
 LlamaAttentionImpl::LlamaAttentionImpl(const LlamaConfig& config) : config(config) {
   const int64_t head_dim = config.head_dim();
-  auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  auto linear = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
   q_proj = register_module("q_proj", linear(config.hidden_size, config.num_attention_heads * head_dim));
   k_proj = register_module("k_proj", linear(config.hidden_size, config.num_key_value_heads * head_dim));
   v_proj = register_module("v_proj", linear(config.hidden_size, config.num_key_value_heads * head_dim));
@@ -245,7 +252,9 @@ torch::Tensor LlamaAttentionImpl::forward(const torch::Tensor& hidden) {
 }
 
 LlamaMLPImpl::LlamaMLPImpl(const LlamaConfig& config) {
-  auto linear = [](int64_t in, int64_t out) { return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false)); };
+  auto linear = [](int64_t in, int64_t out) {
+    return torch::nn::Linear(torch::nn::LinearOptions(in, out).bias(false));
+  };
   gate_proj = register_module("gate_proj", linear(config.hidden_size, config.intermediate_size));
   up_proj = register_module("up_proj", linear(config.hidden_size, config.intermediate_size));
   down_proj = register_module("down_proj", linear(config.intermediate_size, config.hidden_size));
@@ -286,13 +295,15 @@ torch::Tensor LlamaModelImpl::forward(const torch::Tensor& input_ids) {
 
 LlamaLMHeadImpl::LlamaLMHeadImpl(const torch::Tensor& weight) : weight(register_parameter("weight", weight)) {}
 
-torch::Tensor LlamaLMHeadImpl::forward(const torch::Tensor& hidden) { return torch::nn::functional::linear(hidden, weight); }
+torch::Tensor LlamaLMHeadImpl::forward(const torch::Tensor& hidden) {
+  return torch::nn::functional::linear(hidden, weight);
+}
 
 LlamaForCausalLMImpl::LlamaForCausalLMImpl(const LlamaConfig& config) : config(config) {
   config.validate();
   model = register_module("model", LlamaModel(config));
-  torch::Tensor head_weight = config.tie_word_embeddings ? model->embed_tokens->weight
-                                                         : torch::empty({config.vocab_size, config.hidden_size});
+  torch::Tensor head_weight =
+      config.tie_word_embeddings ? model->embed_tokens->weight : torch::empty({config.vocab_size, config.hidden_size});
   lm_head = register_module("lm_head", LlamaLMHead(head_weight));
   // transformers' _init_weights: normal(0, initializer_range) for linear and embedding weights.
   torch::NoGradGuard no_grad;

@@ -1,6 +1,5 @@
-#include <fsdp/shard_layout.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/shard_layout.h>
 
 #include <algorithm>
 

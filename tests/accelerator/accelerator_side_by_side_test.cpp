@@ -10,15 +10,13 @@
 // abort on another), fsdp::Accelerator raises a named error on every rank.
 // Not taken, on purpose: nested containers (Accelerate's gather and reduce walk dicts and lists;
 // ours take one tensor) and reduce's `scale` (which Accelerate applies only on XLA).
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
-#include <thread>
-
 #include <nlohmann/json.hpp>
-
-#include <fsdp/fsdp.h>
+#include <thread>
 
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -37,7 +35,10 @@ torch::nn::Sequential make_model() {
 
 void write_inputs(const std::string& directory, int world_size) {
   std::ofstream(directory + "/case.json") << nlohmann::json{
-      {"steps", kSteps}, {"accumulation", kAccumulation}, {"lr", kLearningRate}, {"max_norm", kMaxNorm}}.dump();
+      {"steps", kSteps},
+      {"accumulation", kAccumulation},
+      {"lr", kLearningRate},
+      {"max_norm", kMaxNorm}}.dump();
   torch::manual_seed(3);
   auto model = make_model();
   std::vector<std::pair<std::string, at::Tensor>> initial;
@@ -157,8 +158,8 @@ TEST_P(AcceleratorSideBySide, CollectivesAndAccumulationMatchAccelerate) {
     if (name.rfind("gather", 0) == 0 || name.rfind("reduce", 0) == 0 || name == "sync") {
       EXPECT_TRUE(torch::equal(found, expected)) << name << ": ours " << found << "\nAccelerate's " << expected;
     } else if (name == "loss" || name == "norm") {
-      EXPECT_TRUE(torch::allclose(found, expected, /*rtol=*/1e-6, /*atol=*/0)) << name << ": ours " << found
-                                                                              << "\nAccelerate's " << expected;
+      EXPECT_TRUE(torch::allclose(found, expected, /*rtol=*/1e-6, /*atol=*/0))
+          << name << ": ours " << found << "\nAccelerate's " << expected;
     } else {
       EXPECT_LE((found - expected).abs().max().item<double>(), 1e-6) << name;
     }
@@ -167,8 +168,10 @@ TEST_P(AcceleratorSideBySide, CollectivesAndAccumulationMatchAccelerate) {
   std::ifstream(directory + "/theirs.json") >> their_errors;
   std::ifstream(directory + "/ours.json") >> our_errors;
   // Both raise; ours names the call, what it got and what to do.
-  EXPECT_NE(their_errors["reduce_mean_int"].get<std::string>().find("can't be cast"), std::string::npos) << their_errors;
-  EXPECT_NE(their_errors["gather_uneven"].get<std::string>().find("shape mismatches"), std::string::npos) << their_errors;
+  EXPECT_NE(their_errors["reduce_mean_int"].get<std::string>().find("can't be cast"), std::string::npos)
+      << their_errors;
+  EXPECT_NE(their_errors["gather_uneven"].get<std::string>().find("shape mismatches"), std::string::npos)
+      << their_errors;
   ASSERT_TRUE(our_errors.contains("reduce_mean_int")) << our_errors;
   EXPECT_NE(our_errors["reduce_mean_int"].get<std::string>().find(
                 "Accelerator::reduce: the mean of an integer tensor (Long) is not an integer"),
@@ -180,7 +183,9 @@ TEST_P(AcceleratorSideBySide, CollectivesAndAccumulationMatchAccelerate) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, AcceleratorSideBySide, ::testing::Values(2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::to_string(info.param) + "ranks";
+                         });
 
 }  // namespace
 }  // namespace fsdp

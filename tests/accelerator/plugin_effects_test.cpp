@@ -3,15 +3,13 @@
 // with, checkpoint options), or it is a warning or an error that names it. The field list comes from
 // the plugin itself (to_json(), the list `fsdp config show` prints), so a field added later without
 // a case here fails this test, and a case whose field stopped doing anything fails too.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <nlohmann/json.hpp>
-
 #include <map>
+#include <nlohmann/json.hpp>
 #include <sstream>
-
-#include <fsdp/fsdp.h>
 
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
@@ -29,12 +27,12 @@ std::string dtype_text(const std::optional<c10::ScalarType>& dtype) {
 
 std::string describe(const FullyShardOptions& options) {
   std::ostringstream text;
-  text << "strategy=" << to_string(options.sharding_strategy) << " reshard="
-       << (options.reshard_after_forward ? options.reshard_after_forward->to_string() : "-")
-       << " mp=" << dtype_text(options.mixed_precision.param_dtype) << "/" << dtype_text(options.mixed_precision.reduce_dtype)
-       << "/" << dtype_text(options.mixed_precision.buffer_dtype) << "/" << dtype_text(options.mixed_precision.output_dtype)
-       << " offload=" << options.offload.offload_params << " sync=" << options.sync_module_states
-       << " forward_prefetch=" << options.forward_prefetch
+  text << "strategy=" << to_string(options.sharding_strategy)
+       << " reshard=" << (options.reshard_after_forward ? options.reshard_after_forward->to_string() : "-")
+       << " mp=" << dtype_text(options.mixed_precision.param_dtype) << "/"
+       << dtype_text(options.mixed_precision.reduce_dtype) << "/" << dtype_text(options.mixed_precision.buffer_dtype)
+       << "/" << dtype_text(options.mixed_precision.output_dtype) << " offload=" << options.offload.offload_params
+       << " sync=" << options.sync_module_states << " forward_prefetch=" << options.forward_prefetch
        << " backward_prefetch=" << (options.backward_prefetch ? static_cast<int>(*options.backward_prefetch) : 0)
        << " max_all_gathers=" << options.max_all_gathers_in_flight.value_or(0);
   return text.str();
@@ -82,8 +80,8 @@ Outcome prepare_with(const DistributedContext& context, const Args& args, const 
   AcceleratorOptions options;
   options.fsdp_plugin = *plugin;
   std::ostringstream effect;
-  effect << describe(fully_shard_options_from_plugin(*plugin)) << "\n" << describe(checkpoint_options_from_plugin(*plugin))
-         << "\n";
+  effect << describe(fully_shard_options_from_plugin(*plugin)) << "\n"
+         << describe(checkpoint_options_from_plugin(*plugin)) << "\n";
   try {
     Accelerator accelerator(context, options, EnvironmentMap{});
     accelerator.prepare(model, optimizer);
@@ -129,31 +127,37 @@ struct FieldCase {
 
 std::map<std::string, FieldCase> field_cases(int64_t version) {
   auto nothing = [](Args&, EnvironmentMap&) {};
-  auto transformer_wrap = [](Args& args, EnvironmentMap&) { args.auto_wrap_policy = std::string("transformer_based_wrap"); };
+  auto transformer_wrap = [](Args& args, EnvironmentMap&) {
+    args.auto_wrap_policy = std::string("transformer_based_wrap");
+  };
   std::map<std::string, FieldCase> cases;
-  cases["fsdp_version"] = {[version](Args& args, EnvironmentMap&) { args.fsdp_version = int64_t{3 - version}; }, nothing};
-  cases["sharding_strategy"] = {[](Args& args, EnvironmentMap&) { args.sharding_strategy = std::string("SHARD_GRAD_OP"); },
-                                nothing};
-  cases["reshard_after_forward"] = {
-      [version](Args& args, EnvironmentMap&) {
-        if (version == 2) args.reshard_after_forward = false;
-        else args.reshard_after_forward = std::string("NO_SHARD");
-      },
-      nothing};
-  cases["backward_prefetch"] = {[](Args& args, EnvironmentMap&) { args.backward_prefetch = std::string("BACKWARD_POST"); },
-                                nothing};
-  cases["mixed_precision_policy"] = {[](Args& args, EnvironmentMap&) { args.mixed_precision_policy = std::string("bf16"); },
-                                     nothing};
+  cases["fsdp_version"] = {[version](Args& args, EnvironmentMap&) { args.fsdp_version = int64_t{3 - version}; },
+                           nothing};
+  cases["sharding_strategy"] = {
+      [](Args& args, EnvironmentMap&) { args.sharding_strategy = std::string("SHARD_GRAD_OP"); }, nothing};
+  cases["reshard_after_forward"] = {[version](Args& args, EnvironmentMap&) {
+                                      if (version == 2)
+                                        args.reshard_after_forward = false;
+                                      else
+                                        args.reshard_after_forward = std::string("NO_SHARD");
+                                    },
+                                    nothing};
+  cases["backward_prefetch"] = {
+      [](Args& args, EnvironmentMap&) { args.backward_prefetch = std::string("BACKWARD_POST"); }, nothing};
+  cases["mixed_precision_policy"] = {
+      [](Args& args, EnvironmentMap&) { args.mixed_precision_policy = std::string("bf16"); }, nothing};
   cases["auto_wrap_policy"] = {transformer_wrap, nothing};
   cases["cpu_offload"] = {[](Args& args, EnvironmentMap&) { args.cpu_offload = true; }, nothing};
   cases["ignored_modules"] = {[](Args& args, EnvironmentMap&) { args.ignored_modules = std::string("layers_0"); },
                               transformer_wrap};
   cases["state_dict_type"] = {[version](Args& args, EnvironmentMap&) {
-                                args.state_dict_type = std::string(version == 1 ? "SHARDED_STATE_DICT" : "FULL_STATE_DICT");
+                                args.state_dict_type =
+                                    std::string(version == 1 ? "SHARDED_STATE_DICT" : "FULL_STATE_DICT");
                               },
                               nothing};
-  cases["state_dict_config"] = {[](Args& args, EnvironmentMap&) { args.state_dict_config = StateDictConfig{false, false}; },
-                                [](Args& args, EnvironmentMap&) { args.state_dict_type = std::string("FULL_STATE_DICT"); }};
+  cases["state_dict_config"] = {
+      [](Args& args, EnvironmentMap&) { args.state_dict_config = StateDictConfig{false, false}; },
+      [](Args& args, EnvironmentMap&) { args.state_dict_type = std::string("FULL_STATE_DICT"); }};
   cases["optim_state_dict_config"] = {
       [](Args& args, EnvironmentMap&) { args.optim_state_dict_config = StateDictConfig{false, false}; },
       [](Args& args, EnvironmentMap&) { args.state_dict_type = std::string("FULL_STATE_DICT"); }};
@@ -216,7 +220,8 @@ TEST(PluginEffects, EveryFieldChangesWhatPrepareDoesOrIsNamedInAWarningOrError) 
         // A message counts only if the change brought it: the baseline must not say it already.
         const bool named = names_field(changed.messages, item.key()) && !names_field(baseline.messages, item.key());
         EXPECT_TRUE(changed.effect != baseline.effect || named)
-            << what << " changed nothing and nothing named it.\nbaseline:\n" << baseline.effect << "\nchanged:\n"
+            << what << " changed nothing and nothing named it.\nbaseline:\n"
+            << baseline.effect << "\nchanged:\n"
             << changed.effect << "\nmessages: " << changed.messages;
       }
     }

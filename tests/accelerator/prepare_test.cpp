@@ -1,19 +1,17 @@
 // Accelerator::prepare and fsdp2_prepare_model: the seed's unit layout, the optimizer switch, and
 // training that matches single-process libtorch.
+#include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
 #include <unistd.h>
 
 #include <filesystem>
 
-#include <fsdp/fsdp.h>
-#include <fsdp/models/llama.h>
-
-#include "harness/parity.h"
-#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
@@ -47,7 +45,8 @@ void train_prepared_and_compare(const DistributedContext& context, bool tied, bo
   auto accelerator = make_accelerator(context, "transformer_based_wrap", "no", version);
   accelerator.fsdp_plugin().activation_checkpointing = activation_checkpointing;
   torch::optim::AdamW optimizer(unique_parameters(*model), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
-  torch::optim::AdamW reference_optimizer(unique_parameters(*reference), torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
+  torch::optim::AdamW reference_optimizer(unique_parameters(*reference),
+                                          torch::optim::AdamWOptions(1e-2).weight_decay(0.1));
   accelerator.prepare(model, optimizer);
 
   // Version 2: blocks bottom-up, then the input embedding (untied only), then the tail, then the
@@ -63,8 +62,9 @@ void train_prepared_and_compare(const DistributedContext& context, bool tied, bo
     EXPECT_TRUE(is_fsdp_module(*model->embed_tokens));
     EXPECT_FALSE(is_fsdp_module(*model->lm_head));
   } else {
-    EXPECT_EQ(unit_names(*model), (std::vector<std::string>{block, block, "torch::nn::EmbeddingImpl",
-                                                            "torch::nn::LayerNormImpl", "fsdp::testing::TinyTransformerImpl"}));
+    EXPECT_EQ(unit_names(*model),
+              (std::vector<std::string>{block, block, "torch::nn::EmbeddingImpl", "torch::nn::LayerNormImpl",
+                                        "fsdp::testing::TinyTransformerImpl"}));
     EXPECT_TRUE(is_fsdp_module(*model->lm_head));
   }
   EXPECT_EQ(model->lm_head->weight.unsafeGetTensorImpl() == model->embed_tokens->weight.unsafeGetTensorImpl(), tied);
@@ -72,7 +72,8 @@ void train_prepared_and_compare(const DistributedContext& context, bool tied, bo
   // FSDP1's apply_activation_checkpointing: the block itself.
   for (const auto& layer : model->layers) {
     EXPECT_EQ(is_checkpointed(*layer), activation_checkpointing && version == 1);
-    for (const auto& child : layer->children()) EXPECT_EQ(is_checkpointed(*child), activation_checkpointing && version == 2);
+    for (const auto& child : layer->children())
+      EXPECT_EQ(is_checkpointed(*child), activation_checkpointing && version == 2);
   }
   EXPECT_FALSE(is_checkpointed(*model->embed_tokens));
   // The optimizer steps the model's own (sharded) parameters.
@@ -135,11 +136,13 @@ TEST(Fsdp2PrepareModel, ActivationCheckpointingOfBlockChildrenTrainsLikeSinglePr
 }
 
 TEST(Fsdp2PrepareModel, VersionOneCheckpointsTheBlocksThemselvesAndTrainsLikeSingleProcess) {
-  testing::run_on_ranks(2, [](const DistributedContext& context) { train_prepared_and_compare(context, true, true, 1); });
+  testing::run_on_ranks(2,
+                        [](const DistributedContext& context) { train_prepared_and_compare(context, true, true, 1); });
 }
 
 TEST(Fsdp2PrepareModel, VersionOneShardsTheUntiedModelLikeFsdp1AndTrainsLikeSingleProcess) {
-  testing::run_on_ranks(3, [](const DistributedContext& context) { train_prepared_and_compare(context, false, false, 1); });
+  testing::run_on_ranks(
+      3, [](const DistributedContext& context) { train_prepared_and_compare(context, false, false, 1); });
 }
 
 // Which dtype a unit's forward receives: FSDP1 casts the root's floating inputs to param_dtype only
@@ -156,7 +159,8 @@ struct RecordingBlockImpl : torch::nn::Module {
 TORCH_MODULE(RecordingBlock);
 
 struct CastProbeImpl : torch::nn::Module {
-  CastProbeImpl() : block(register_module("block", RecordingBlock())), head(register_module("head", torch::nn::Linear(4, 2))) {}
+  CastProbeImpl()
+      : block(register_module("block", RecordingBlock())), head(register_module("head", torch::nn::Linear(4, 2))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     seen = x.scalar_type();
     // A float32 tensor made inside the root reaches the block as it is under FSDP1.
@@ -259,7 +263,8 @@ TEST_P(RankZerosWeights, EveryRankEndsWithRankZerosWeights) {
     args.fsdp_version = parameters.version;
     args.auto_wrap_policy = std::string("transformer_based_wrap");
     args.cpu_ram_efficient_loading = std::string(parameters.efficient_loading ? "true" : "false");
-    if (parameters.version == 1) args.sync_module_states = std::string(parameters.sync_module_states ? "true" : "false");
+    if (parameters.version == 1)
+      args.sync_module_states = std::string(parameters.sync_module_states ? "true" : "false");
     AcceleratorOptions options;
     options.fsdp_plugin = FullyShardedDataParallelPlugin(args, EnvironmentMap{});
     Accelerator accelerator(context, options, EnvironmentMap{});
@@ -270,21 +275,22 @@ TEST_P(RankZerosWeights, EveryRankEndsWithRankZerosWeights) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Loading, RankZerosWeights,
-    ::testing::Values(LoadingCase{2, 3, true, false}, LoadingCase{2, 2, true, false}, LoadingCase{1, 2, true, true},
-                      LoadingCase{1, 3, true, true}, LoadingCase{1, 2, false, true}, LoadingCase{1, 3, false, true},
-                      LoadingCase{2, 3, true, false, true}, LoadingCase{2, 2, true, false, true},
-                      LoadingCase{1, 3, true, true, true}, LoadingCase{1, 2, false, true, true},
-                      LoadingCase{1, 3, false, true, true}),
-    [](const ::testing::TestParamInfo<LoadingCase>& info) {
-      std::string name = "V";
-      name += std::to_string(info.param.version) + "_" + std::to_string(info.param.ranks) + "ranks";
-      if (info.param.efficient_loading) name += "_EfficientLoading";
-      if (info.param.sync_module_states) name += "_SyncModuleStates";
-      if (info.param.meta) name += "_MetaOnOtherRanks";
-      return name;
-    });
+INSTANTIATE_TEST_SUITE_P(Loading, RankZerosWeights,
+                         ::testing::Values(LoadingCase{2, 3, true, false}, LoadingCase{2, 2, true, false},
+                                           LoadingCase{1, 2, true, true}, LoadingCase{1, 3, true, true},
+                                           LoadingCase{1, 2, false, true}, LoadingCase{1, 3, false, true},
+                                           LoadingCase{2, 3, true, false, true}, LoadingCase{2, 2, true, false, true},
+                                           LoadingCase{1, 3, true, true, true}, LoadingCase{1, 2, false, true, true},
+                                           LoadingCase{1, 3, false, true, true}),
+                         [](const ::testing::TestParamInfo<LoadingCase>& info) {
+                           std::string name = "V";
+                           name +=
+                               std::to_string(info.param.version) + "_" + std::to_string(info.param.ranks) + "ranks";
+                           if (info.param.efficient_loading) name += "_EfficientLoading";
+                           if (info.param.sync_module_states) name += "_SyncModuleStates";
+                           if (info.param.meta) name += "_MetaOnOtherRanks";
+                           return name;
+                         });
 
 TEST(AcceleratorPrepare, RejectsAnOptimizerThatSteppedOrHoldsForeignParameters) {
   auto context = DistributedContext::initialize(DistributedEnvironment{});

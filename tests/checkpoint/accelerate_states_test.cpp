@@ -6,19 +6,18 @@
 // Accelerator::load_state on 2 and 3 ranks, continues with the losses PyTorch got continuing from it
 // (within 1e-5); what cannot be restored (NumPy's and Python's generators, the PyTorch scheduler) is
 // named.
+#include "checkpoint/accelerate_states.h"
+
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include <nlohmann/json.hpp>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <tuple>
 
-#include <fsdp/fsdp.h>
-
-#include "checkpoint/accelerate_states.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -74,7 +73,8 @@ TEST_P(ResumeFromAccelerate, ContinuesWithTheLossesPyTorchGetsFromIt) {
     ASSERT_EQ(latest, (fs::path(root) / "checkpoints" / "checkpoint_0").string());
     const auto progress = accelerator.load_state(latest);
     EXPECT_EQ(progress.step, 2) << "the optimizer's step count";
-    EXPECT_TRUE(lists(progress.not_restored, "scheduler.bin (a PyTorch LR scheduler's state")) << progress.not_restored.size();
+    EXPECT_TRUE(lists(progress.not_restored, "scheduler.bin (a PyTorch LR scheduler's state"))
+        << progress.not_restored.size();
     if (context.rank() < 2) {
       EXPECT_TRUE(lists(progress.not_restored, "numpy_random_seed (NumPy's generator)"));
       EXPECT_TRUE(lists(progress.not_restored, "random_state (Python's random module)"));
@@ -104,7 +104,8 @@ INSTANTIATE_TEST_SUITE_P(Ranks, ResumeFromAccelerate,
                                                               "LOCAL_STATE_DICT")),
                          [](const ::testing::TestParamInfo<std::tuple<int, std::string>>& info) {
                            const auto& type = std::get<1>(info.param);
-                           return type.substr(0, type.find('_')) + "_" + std::to_string(std::get<0>(info.param)) + "ranks";
+                           return type.substr(0, type.find('_')) + "_" + std::to_string(std::get<0>(info.param)) +
+                                  "ranks";
                          });
 
 // A checkpoint directory Accelerate left incomplete is named for what it is, never "did not finish
@@ -136,7 +137,8 @@ TEST(ResumeFromAccelerateRefuses, IncompleteCheckpointsAreNamed) {
 // A Linear that registers its bias before its weight: the same sizes in another order.
 struct BiasFirstLinearImpl : torch::nn::Module {
   BiasFirstLinearImpl(int64_t in, int64_t out)
-      : bias(register_parameter("bias", torch::zeros({out}))), weight(register_parameter("weight", torch::zeros({out, in}))) {}
+      : bias(register_parameter("bias", torch::zeros({out}))),
+        weight(register_parameter("weight", torch::zeros({out, in}))) {}
   torch::Tensor forward(const torch::Tensor& x) { return torch::nn::functional::linear(x, weight, bias); }
   torch::Tensor bias, weight;
 };
@@ -201,7 +203,8 @@ TEST(AccelerateRandomStates, ReadsStepAndGeneratorAndNamesTheRest) {
   const auto python = testing::run_python_code("import torch\nprint(torch.load('" + path +
                                                "', weights_only=False)['torch_manual_seed'].sum().item())");
   ASSERT_TRUE(python.ok);
-  EXPECT_EQ(std::to_string(states.torch_cpu_state.sum().item<int64_t>()), python.output.at(0).substr(0, python.output.at(0).find('\n')));
+  EXPECT_EQ(std::to_string(states.torch_cpu_state.sum().item<int64_t>()),
+            python.output.at(0).substr(0, python.output.at(0).find('\n')));
   EXPECT_TRUE(lists(states.not_restored, "numpy_random_seed"));
   const auto damaged = root + "/damaged.pkl";
   fs::copy_file(path, damaged);

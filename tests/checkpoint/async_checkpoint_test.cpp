@@ -3,6 +3,7 @@
 // continues as one resumed from a synchronous save of the same moment, it counts only once
 // finished, one save at most is in flight, and a write that fails on one rank is an error on every
 // rank that leaves the checkpoint incomplete. (Ranks/DcpWrittenByUs/From3To2 loads one in PyTorch.)
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -10,8 +11,6 @@
 #include <filesystem>
 #include <fstream>
 #include <thread>
-
-#include <fsdp/fsdp.h>
 
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
@@ -22,8 +21,8 @@ namespace fsdp {
 namespace {
 
 namespace fs = std::filesystem;
-using testing::FourLinears;
 using testing::expect_bitwise_equal;
+using testing::FourLinears;
 
 struct AsyncJob {
   FourLinears model;
@@ -46,7 +45,6 @@ struct AsyncJob {
     optimizer->zero_grad();
   }
 };
-
 
 TEST(AsyncCheckpoint, HoldsTheStateAtStartCountsOnceFinishedAndResumesAsASynchronousSave) {
   const auto root = testing::shared_temporary_directory();

@@ -1,21 +1,19 @@
 // Checkpoints: every layout round-trips model, optimizer and progress; SHARDED checkpoints load on
 // another number of ranks; a resumed run continues bit for bit; broken directories are named errors.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
-
 #include <nlohmann/json.hpp>
 
-#include <fsdp/fsdp.h>
-
 #include "checkpoint/dcp_metadata.h"
-#include "harness/parity.h"
-#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
 #include "harness/python_peer.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
@@ -68,7 +66,6 @@ std::map<std::string, torch::Tensor> reference_after(uint64_t seed, int steps) {
   }
   return testing::named_copies(*model);
 }
-
 
 struct RoundTripCase {
   StateDictType type;
@@ -133,18 +130,22 @@ TEST(Checkpoint, FullCheckpointsSavedWithAndWithoutRank0OnlyAreTheSameFiles) {
   });
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Layouts, CheckpointRoundTrip,
-    ::testing::Values(RoundTripCase{StateDictType::kShardedStateDict, 1}, RoundTripCase{StateDictType::kShardedStateDict, 2},
-                      RoundTripCase{StateDictType::kShardedStateDict, 3}, RoundTripCase{StateDictType::kShardedStateDict, 4},
-                      RoundTripCase{StateDictType::kFullStateDict, 1}, RoundTripCase{StateDictType::kFullStateDict, 2},
-                      RoundTripCase{StateDictType::kFullStateDict, 3}, RoundTripCase{StateDictType::kFullStateDict, 4},
-                      RoundTripCase{StateDictType::kLocalStateDict, 2}, RoundTripCase{StateDictType::kLocalStateDict, 3}),
-    [](const ::testing::TestParamInfo<RoundTripCase>& info) {
-      std::string name = to_string(info.param.type);
-      name.erase(std::remove(name.begin(), name.end(), '_'), name.end());
-      return name + "_" + std::to_string(info.param.world_size) + "ranks";
-    });
+INSTANTIATE_TEST_SUITE_P(Layouts, CheckpointRoundTrip,
+                         ::testing::Values(RoundTripCase{StateDictType::kShardedStateDict, 1},
+                                           RoundTripCase{StateDictType::kShardedStateDict, 2},
+                                           RoundTripCase{StateDictType::kShardedStateDict, 3},
+                                           RoundTripCase{StateDictType::kShardedStateDict, 4},
+                                           RoundTripCase{StateDictType::kFullStateDict, 1},
+                                           RoundTripCase{StateDictType::kFullStateDict, 2},
+                                           RoundTripCase{StateDictType::kFullStateDict, 3},
+                                           RoundTripCase{StateDictType::kFullStateDict, 4},
+                                           RoundTripCase{StateDictType::kLocalStateDict, 2},
+                                           RoundTripCase{StateDictType::kLocalStateDict, 3}),
+                         [](const ::testing::TestParamInfo<RoundTripCase>& info) {
+                           std::string name = to_string(info.param.type);
+                           name.erase(std::remove(name.begin(), name.end(), '_'), name.end());
+                           return name + "_" + std::to_string(info.param.world_size) + "ranks";
+                         });
 
 struct ReshardCase {
   int saved_on;
@@ -177,7 +178,8 @@ TEST_P(CheckpointReshard, ShardedCheckpointContinuesOnAnotherNumberOfRanks) {
 INSTANTIATE_TEST_SUITE_P(WorldSizes, CheckpointReshard,
                          ::testing::Values(ReshardCase{2, 3}, ReshardCase{3, 2}, ReshardCase{4, 1}, ReshardCase{1, 4}),
                          [](const ::testing::TestParamInfo<ReshardCase>& info) {
-                           return "From" + std::to_string(info.param.saved_on) + "To" + std::to_string(info.param.loaded_on);
+                           return "From" + std::to_string(info.param.saved_on) + "To" +
+                                  std::to_string(info.param.loaded_on);
                          });
 
 TEST(Checkpoint, HybridShardCheckpointsSaveOneCopyAndLoadBack) {
@@ -235,7 +237,8 @@ TEST(Checkpoint, HybridShardCheckpointsSaveOneCopyAndLoadBack) {
 
 TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
   const auto directory = testing::shared_temporary_directory();
-  auto step = [](testing::MlpStack& model, torch::optim::AdamW& optimizer, const DistributedContext& context, int index) {
+  auto step = [](testing::MlpStack& model, torch::optim::AdamW& optimizer, const DistributedContext& context,
+                 int index) {
     torch::manual_seed(6000 + index);
     auto inputs = torch::randn({kBatch, 3}), targets = torch::randn({kBatch, 2});
     torch::mse_loss(fsdp::forward(model, local_slice(inputs, context)), local_slice(targets, context)).backward();
@@ -258,8 +261,8 @@ TEST(Checkpoint, ScalarParametersKeepTheirOptimizerStateAcrossWorldSizes) {
     fully_shard(model.ptr(), context);
     torch::optim::AdamW optimizer(unique_parameters(*model), adamw_options());
     load_checkpoint(directory, *model, optimizer, context);
-    auto& state = static_cast<torch::optim::AdamWParamState&>(
-        *optimizer.state().at(optimizer_state_key(model->temperature)));
+    auto& state =
+        static_cast<torch::optim::AdamWParamState&>(*optimizer.state().at(optimizer_state_key(model->temperature)));
     EXPECT_EQ(state.exp_avg().sizes(), model->temperature.sizes());
     step(model, optimizer, context, 1);  // a wrong state shape fails here
   });
@@ -276,7 +279,8 @@ TEST(Checkpoint, AnOptimizerHoldingATiedWeightTwiceIsRefusedNamingIt) {
     ASSERT_GT(trainer.model->parameters().size(), unique_parameters(*trainer.model).size()) << "the model must be tied";
     trainer.optimizer = std::make_unique<torch::optim::AdamW>(trainer.model->parameters(), adamw_options());
     trainer.train(context, 0, 1);
-    const auto message = testing::error_message_of([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
+    const auto message =
+        testing::error_message_of([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
     EXPECT_NE(message.find("the optimizer holds 'embed_tokens.weight' more than once"), std::string::npos) << message;
     EXPECT_NE(message.find("Build the optimizer from each parameter once"), std::string::npos) << message;
     EXPECT_FALSE(is_complete_checkpoint(directory));
@@ -352,7 +356,8 @@ TEST(Checkpoint, FilesOfAnotherSaveOrAnotherRankAreNamedErrors) {
     save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {});
     const auto expected_weights = testing::full_parameters(*trainer.model);
     auto load_error = [&] {
-      return testing::error_message_of([&] { load_checkpoint(directory, *trainer.model, *trainer.optimizer, context); });
+      return testing::error_message_of(
+          [&] { load_checkpoint(directory, *trainer.model, *trainer.optimizer, context); });
     };
     auto in = [](const std::string& root, const std::string& name) { return (fs::path(root) / name).string(); };
     const auto model_0 = in(directory, "pytorch_model_fsdp_0/__0_0.distcp");
@@ -364,12 +369,13 @@ TEST(Checkpoint, FilesOfAnotherSaveOrAnotherRankAreNamedErrors) {
       if (context.rank() == 0) change();
       barrier(context.world());
       const auto message = load_error();
-      for (const auto& part : expected) EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+      for (const auto& part : expected)
+        EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
       if (context.rank() == 0) {
         // merge-weights reads the same files and refuses them the same way, writing nothing.
         const auto merged = in(root, "merged");
-        const auto merge_message = testing::error_message_of(
-            [&] { merge_fsdp_weights(in(directory, "pytorch_model_fsdp_0"), merged); });
+        const auto merge_message =
+            testing::error_message_of([&] { merge_fsdp_weights(in(directory, "pytorch_model_fsdp_0"), merged); });
         if (model_files) {
           EXPECT_NE(merge_message.find(expected.back()), std::string::npos) << merge_message;
           EXPECT_FALSE(fs::exists(fs::path(merged) / "model.safetensors"));
@@ -385,15 +391,19 @@ TEST(Checkpoint, FilesOfAnotherSaveOrAnotherRankAreNamedErrors) {
       fs::rename(b, a);
       fs::rename(a + ".swap", b);
     };
-    auto keep = [](const std::string& path) { fs::copy_file(path, path + ".kept", fs::copy_options::overwrite_existing); };
+    auto keep = [](const std::string& path) {
+      fs::copy_file(path, path + ".kept", fs::copy_options::overwrite_existing);
+    };
     auto put_back = [](const std::string& path) { fs::rename(path + ".kept", path); };
 
-    expect([&] { swap(model_0, model_1); }, [&] { swap(model_0, model_1); },
-           {"pytorch_model_fsdp_0/__0_0.distcp' was written by rank 1 of 2 as '__1_0.distcp': rank files were swapped"});
+    expect(
+        [&] { swap(model_0, model_1); }, [&] { swap(model_0, model_1); },
+        {"pytorch_model_fsdp_0/__0_0.distcp' was written by rank 1 of 2 as '__1_0.distcp': rank files were swapped"});
     expect(
         [&] {
           keep(model_1);
-          fs::copy_file(in(earlier, "pytorch_model_fsdp_0/__1_0.distcp"), model_1, fs::copy_options::overwrite_existing);
+          fs::copy_file(in(earlier, "pytorch_model_fsdp_0/__1_0.distcp"), model_1,
+                        fs::copy_options::overwrite_existing);
         },
         [&] { put_back(model_1); }, {"__1_0.distcp' belongs to save ", "copied from another checkpoint"});
     const auto optimizer_metadata = in(directory, "optimizer_0/.metadata");
@@ -402,8 +412,8 @@ TEST(Checkpoint, FilesOfAnotherSaveOrAnotherRankAreNamedErrors) {
           keep(optimizer_metadata);
           fs::copy_file(in(earlier, "optimizer_0/.metadata"), optimizer_metadata, fs::copy_options::overwrite_existing);
         },
-        [&] { put_back(optimizer_metadata); }, {"optimizer_0/.metadata' describes save ", "copied from another checkpoint"},
-        false);
+        [&] { put_back(optimizer_metadata); },
+        {"optimizer_0/.metadata' describes save ", "copied from another checkpoint"}, false);
     expect(
         [&] {
           fs::rename(in(directory, "optimizer_0"), in(directory, "optimizer_0.kept"));
@@ -507,7 +517,8 @@ TEST(Checkpoint, FullLoadReadsTheFilesOnRankZeroOnlyWithRank0Only) {
       continued.train(context, 0, 2);
       continued.train(context, 2, 2);
       resumed.train(context, 2, 2);
-      expect_bitwise_equal(*resumed.model, *continued.model, rank0_only ? "rank0_only, trained on" : "every rank, trained on");
+      expect_bitwise_equal(*resumed.model, *continued.model,
+                           rank0_only ? "rank0_only, trained on" : "every rank, trained on");
     }
   });
 }
@@ -519,7 +530,8 @@ TEST(Checkpoint, FullStateDictLoadsIntoAModelWithoutParameterMemory) {
     const auto expected = testing::named_copies(*source_model);
     TensorList full_state;
     if (context.rank() == 0) {
-      for (const auto& item : source_model->named_parameters()) full_state.emplace_back(item.key(), item.value().detach());
+      for (const auto& item : source_model->named_parameters())
+        full_state.emplace_back(item.key(), item.value().detach());
     }
     torch::manual_seed(16);
     testing::TinyTransformer model;
@@ -548,10 +560,10 @@ TEST(Checkpoint, FullStateDictLoadsIntoAModelWithoutParameterMemory) {
     Accelerator accelerator(context, accelerator_options, EnvironmentMap{});
     TensorList partial(full_state.begin(), full_state.end());
     if (!partial.empty()) partial.pop_back();
-    const auto message = testing::error_message_of([&] { fsdp2_load_full_state_dict(accelerator, model.ptr(), partial); });
+    const auto message =
+        testing::error_message_of([&] { fsdp2_load_full_state_dict(accelerator, model.ptr(), partial); });
     EXPECT_NE(message.find("missing from full state dict"), std::string::npos) << message;
-    EXPECT_NE(message.find("Full state dict has " + std::to_string(expected.size() - 1) + " keys"),
-              std::string::npos)
+    EXPECT_NE(message.find("Full state dict has " + std::to_string(expected.size() - 1) + " keys"), std::string::npos)
         << message;
   });
 }
@@ -565,8 +577,9 @@ TEST(Checkpoint, FullModelFileIsReadableByPythonTorch) {
   });
   if (testing::is_rank_process()) return;
   const auto path = (fs::path(directory) / "pytorch_model_fsdp.bin").string();
-  const auto python = testing::run_python_code("import torch; d = torch.load('" + path +
-                                               "', weights_only=True); print(len(d), tuple(d['embed_tokens.weight'].shape))");
+  const auto python =
+      testing::run_python_code("import torch; d = torch.load('" + path +
+                               "', weights_only=True); print(len(d), tuple(d['embed_tokens.weight'].shape))");
   ASSERT_TRUE(python.ok);
   const auto& output = python.output.at(0);
   torch::manual_seed(17);
@@ -619,13 +632,15 @@ TEST(StateDict, NonPersistentBuffersAreNeitherSavedNorRequired) {
   const auto inv_freq = model->rotary->inv_freq.clone();
   TensorList weights = {{"proj.weight", torch::ones({3, 4})}, {"proj.bias", torch::zeros({3})}};
   load_model_state_dict(*model, TensorListSource(weights));
-  EXPECT_TRUE(torch::equal(full_model_state_dict(*model, StateDictConfig{true, true}).front().second, torch::ones({3, 4})));
+  EXPECT_TRUE(
+      torch::equal(full_model_state_dict(*model, StateDictConfig{true, true}).front().second, torch::ones({3, 4})));
   EXPECT_TRUE(torch::equal(model->rotary->inv_freq, inv_freq));
 
   // Undeclared, the buffer is state like any other, and its absence is named.
   RotaryModel undeclared(false);
   fully_shard(undeclared.ptr(), context);
-  const auto message = testing::error_message_of([&] { load_model_state_dict(*undeclared, TensorListSource(weights)); });
+  const auto message =
+      testing::error_message_of([&] { load_model_state_dict(*undeclared, TensorListSource(weights)); });
   EXPECT_NE(message.find("rotary.inv_freq"), std::string::npos) << message;
 }
 

@@ -3,14 +3,14 @@
 // (tests/python/dcp_fixture.py: 2 and 3 ranks, uneven shards, an empty chunk, optimizer steps and
 // hyper-parameters as byte items): the same keys in the same order, dtypes, sizes, chunks, storage
 // entries, planner paths and version. Then the same files with bytes changed.
-#include <gtest/gtest.h>
+#include "checkpoint/dcp_metadata.h"
 
-#include <nlohmann/json.hpp>
+#include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
-#include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_reader.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
@@ -21,15 +21,24 @@ namespace {
 
 std::string python_dtype(c10::ScalarType dtype) {
   switch (dtype) {
-    case c10::kFloat: return "float32";
-    case c10::kDouble: return "float64";
-    case c10::kHalf: return "float16";
-    case c10::kBFloat16: return "bfloat16";
-    case c10::kLong: return "int64";
-    case c10::kInt: return "int32";
-    case c10::kBool: return "bool";
-    case c10::kByte: return "uint8";
-    default: return c10::toString(dtype);
+    case c10::kFloat:
+      return "float32";
+    case c10::kDouble:
+      return "float64";
+    case c10::kHalf:
+      return "float16";
+    case c10::kBFloat16:
+      return "bfloat16";
+    case c10::kLong:
+      return "int64";
+    case c10::kInt:
+      return "int32";
+    case c10::kBool:
+      return "bool";
+    case c10::kByte:
+      return "uint8";
+    default:
+      return c10::toString(dtype);
   }
 }
 
@@ -81,15 +90,17 @@ TEST_P(DcpMetadataLikePyTorch, ReadsWhatPyTorchReads) {
     const auto metadata = read_dcp_metadata(directory + "/" + name);
     const auto ours = plain(metadata);
     for (const std::string part : {"keys", "entries", "storage", "paths", "version"}) {
-      EXPECT_EQ(ours[part], expected[name][part]) << part << "\nours:   " << ours[part].dump() << "\nPyTorch: "
-                                                  << expected[name][part].dump();
+      EXPECT_EQ(ours[part], expected[name][part])
+          << part << "\nours:   " << ours[part].dump() << "\nPyTorch: " << expected[name][part].dump();
     }
   }
   EXPECT_FALSE(is_dcp_directory(directory));
 }
 
 INSTANTIATE_TEST_SUITE_P(Ranks, DcpMetadataLikePyTorch, ::testing::Values(2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return std::to_string(info.param) + "ranks";
+                         });
 
 // A real .metadata with one byte changed or cut short: always an error naming the file, never a
 // crash (the fuzz target in the DCP issue covers this wider).

@@ -2,14 +2,13 @@
 // reader under load_checkpoint), nothing is written and nothing is deleted, even with
 // --remove-checkpoint-dir. The directory starts as one fsdp.cpp wrote on 2 ranks; the metadata
 // pickles that cannot come from a writer (recursion and memo bombs) are built with the pickle writer.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
 #include <set>
-
-#include <fsdp/fsdp.h>
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/dcp_writer.h"
@@ -52,7 +51,8 @@ size_t replace_all(std::string& text, const std::string& from, const std::string
 std::set<std::string> listing(const std::string& directory) {
   std::set<std::string> names;
   for (const auto& item : fs::directory_iterator(directory)) {
-    names.insert(item.path().filename().string() + ":" + std::to_string(item.is_regular_file() ? fs::file_size(item) : 0));
+    names.insert(item.path().filename().string() + ":" +
+                 std::to_string(item.is_regular_file() ? fs::file_size(item) : 0));
   }
   return names;
 }

@@ -4,12 +4,11 @@
 // AdamW state bitwise; dcp_to_torch_save converts both directories (tests/python/dcp_load_ours.py).
 // From3To2 saves asynchronously (AsyncCheckpointer) and trains a step while the files are written:
 // they hold the state of the save, and the directory counts only after finish.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
-
-#include <fsdp/fsdp.h>
 
 #include "checkpoint/dcp_metadata.h"
 #include "harness/multi_rank.h"
@@ -91,8 +90,8 @@ TEST_P(DcpWrittenByUs, PyTorchLoadsItOnAnotherNumberOfRanksBitwise) {
   options.world_size = loading_ranks;
   const auto result = testing::run_python("dcp_load_ours.py", {root}, options);
   ASSERT_TRUE(result.ok);
-  EXPECT_NE(result.output.at(0).find("loaded 7 model and 21 optimizer tensors bitwise on " + std::to_string(loading_ranks) +
-                                     " ranks"),
+  EXPECT_NE(result.output.at(0).find("loaded 7 model and 21 optimizer tensors bitwise on " +
+                                     std::to_string(loading_ranks) + " ranks"),
             std::string::npos)
       << result.output.at(0);
 }

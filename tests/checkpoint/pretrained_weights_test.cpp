@@ -1,15 +1,14 @@
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <fstream>
 
-#include <fsdp/fsdp.h>
-
-#include "harness/parity.h"
-#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
@@ -65,7 +64,8 @@ TEST(PretrainedWeights, BrokenIndexesAreNamedErrors) {
   EXPECT_NE(message.find("says 'w' is in 'model-00001-of-00001.safetensors' but that file has no such tensor"),
             std::string::npos)
       << message;
-  message = testing::error_message_of([&] { SafetensorsCheckpointSource source(directory + "/empty_dir_that_is_missing"); });
+  message =
+      testing::error_message_of([&] { SafetensorsCheckpointSource source(directory + "/empty_dir_that_is_missing"); });
   EXPECT_NE(message.find("does not exist"), std::string::npos) << message;
 }
 

@@ -8,7 +8,6 @@
 // -R SaveFaults` tries every k that leaves the directory in another state: each file's first and last
 // write, its fsync and rename, and each directory fsync (README, "Failure behavior").
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <algorithm>
@@ -75,7 +74,8 @@ class SaveFaults : public ::testing::Test {
   }
   void TearDown() override { fs::remove_all(root_); }
 
-  std::string command(const fs::path& directory, int steps, bool resume, bool async, const std::string& environment) const {
+  std::string command(const fs::path& directory, int steps, bool resume, bool async,
+                      const std::string& environment) const {
     return "env " + environment + " timeout 240 " + std::string(FSDP_CLI_PATH) +
            " launch --nproc-per-node 2 --master-port 0 --termination-grace 1 -- " + FSDP_TRAIN_LLAMA_PATH +
            " --output-dir " + directory.string() + " --data " + (root_ / "train.txt").string() + " --steps " +
@@ -127,8 +127,8 @@ TEST_F(SaveFaults, AKillAtAnyWriteFsyncOrRenameOfASaveLeavesThePreviousCheckpoin
       for (size_t index = 0; index < points.size(); ++index) {
         const auto& point = points[index];
         const bool write = point.operation == "write";
-        const bool first_write = write && (index == 0 || points[index - 1].operation != "write" ||
-                                           points[index - 1].file != point.file);
+        const bool first_write =
+            write && (index == 0 || points[index - 1].operation != "write" || points[index - 1].file != point.file);
         const bool last_write = write && (index + 1 == points.size() || points[index + 1].operation != "write" ||
                                           points[index + 1].file != point.file);
         if (!write || first_write || last_write) boundaries.push_back(point);
@@ -179,10 +179,12 @@ TEST_F(SaveFaults, AKillAtAnyWriteFsyncOrRenameOfASaveLeavesThePreviousCheckpoin
         result = run_command(command(directory, 4, true, async, ""));
         ASSERT_EQ(result.exit_code, 0) << result.output;
         const auto latest = (directory / "checkpoints" / (complete ? "checkpoint_1" : "checkpoint_0")).string();
-        EXPECT_NE(result.output.find("resumed from " + latest + " at step " + (complete ? "4" : "2")), std::string::npos)
+        EXPECT_NE(result.output.find("resumed from " + latest + " at step " + (complete ? "4" : "2")),
+                  std::string::npos)
             << result.output;
-        EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected) << "the final weights differ\n"
-                                                                                 << result.output;
+        EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected)
+            << "the final weights differ\n"
+            << result.output;
         fs::remove_all(directory);
       }
     }

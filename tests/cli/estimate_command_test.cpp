@@ -4,16 +4,14 @@
 // SHARDED checkpoint step_bench saves; against the figures
 // of Accelerate's own estimator on the same config.json; and its errors.
 #include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
-
-#include "harness/python_peer.h"
-#include "harness/run_command.h"
-
 #include <unistd.h>
 
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "harness/python_peer.h"
+#include "harness/run_command.h"
 
 namespace {
 
@@ -30,17 +28,18 @@ class EstimateMemory : public ::testing::Test {
     fs::remove_all(root_);
     fs::create_directories(root_ / "model");
     std::ofstream(root_ / "model" / "config.json")
-        << nlohmann::json{{"model_type", "llama"}, {"architectures", {"LlamaForCausalLM"}}, {"vocab_size", kVocab},
-                          {"hidden_size", kWidth}, {"intermediate_size", kHidden}, {"num_hidden_layers", kBlocks},
-                          {"num_attention_heads", 8}, {"num_key_value_heads", 4}, {"max_position_embeddings", 64},
-                          {"tie_word_embeddings", true}}
+        << nlohmann::json{{"model_type", "llama"},         {"architectures", {"LlamaForCausalLM"}},
+                          {"vocab_size", kVocab},          {"hidden_size", kWidth},
+                          {"intermediate_size", kHidden},  {"num_hidden_layers", kBlocks},
+                          {"num_attention_heads", 8},      {"num_key_value_heads", 4},
+                          {"max_position_embeddings", 64}, {"tie_word_embeddings", true}}
                .dump();
   }
   void TearDown() override { fs::remove_all(root_); }
 
   nlohmann::json estimate(const std::string& flags) const {
-    const auto result = run_command(std::string(FSDP_CLI_PATH) + " estimate-memory --config " + (root_ / "model").string() +
-                                    " --json " + flags);
+    const auto result = run_command(std::string(FSDP_CLI_PATH) + " estimate-memory --config " +
+                                    (root_ / "model").string() + " --json " + flags);
     EXPECT_EQ(result.exit_code, 0) << result.output;
     return nlohmann::json::parse(result.output.substr(result.output.find('{')));
   }
@@ -51,11 +50,11 @@ class EstimateMemory : public ::testing::Test {
 #ifdef FSDP_STEP_BENCH_PATH
 // step_bench's JSON lines by their "benchmark" name ("step", and "checkpoint" with --checkpoint).
 nlohmann::json measure(int ranks, const std::string& flags) {
-  const auto result = run_command("timeout 240 " + std::string(FSDP_CLI_PATH) + " launch --nproc-per-node " +
-                                  std::to_string(ranks) + " --master-port 0 -- " + FSDP_STEP_BENCH_PATH +
-                                  " --model llama --width " + std::to_string(kWidth) + " --hidden " +
-                                  std::to_string(kHidden) + " --blocks " + std::to_string(kBlocks) + " --vocab " +
-                                  std::to_string(kVocab) + " --batch 8 --length 8 --steps 1 " + flags);
+  const auto result =
+      run_command("timeout 240 " + std::string(FSDP_CLI_PATH) + " launch --nproc-per-node " + std::to_string(ranks) +
+                  " --master-port 0 -- " + FSDP_STEP_BENCH_PATH + " --model llama --width " + std::to_string(kWidth) +
+                  " --hidden " + std::to_string(kHidden) + " --blocks " + std::to_string(kBlocks) + " --vocab " +
+                  std::to_string(kVocab) + " --batch 8 --length 8 --steps 1 " + flags);
   EXPECT_EQ(result.exit_code, 0) << result.output;
   auto lines = nlohmann::json::object();
   for (auto line = result.output.find("{\"benchmark\""); line != std::string::npos;
@@ -75,20 +74,25 @@ TEST_F(EstimateMemory, ModelStateAndBytesSentMatchTheEnginesCountersOnTwoAndFour
     int ranks;
     std::string strategy, reshard;
   };
-  for (const Case& c : std::vector<Case>{{2, "FULL_SHARD", ""}, {2, "SHARD_GRAD_OP", ""}, {2, "NO_SHARD", ""},
-                                          {4, "FULL_SHARD", ""}, {4, "FULL_SHARD", "2"}}) {
-    SCOPED_TRACE(std::to_string(c.ranks) + " ranks, " + c.strategy + (c.reshard.empty() ? "" : ", reshard " + c.reshard));
+  for (const Case& c : std::vector<Case>{{2, "FULL_SHARD", ""},
+                                         {2, "SHARD_GRAD_OP", ""},
+                                         {2, "NO_SHARD", ""},
+                                         {4, "FULL_SHARD", ""},
+                                         {4, "FULL_SHARD", "2"}}) {
+    SCOPED_TRACE(std::to_string(c.ranks) + " ranks, " + c.strategy +
+                 (c.reshard.empty() ? "" : ", reshard " + c.reshard));
     // FULL_SHARD also saves a SHARDED checkpoint of model and AdamW state, whose size the estimate gives.
     const bool save = c.strategy == "FULL_SHARD" && c.reshard.empty();
     const auto checkpoint = root_ / ("checkpoint_" + std::to_string(c.ranks));
-    const auto lines =
-        measure(c.ranks, "--strategy " + c.strategy + (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard) +
-                             (save ? " --checkpoint " + checkpoint.string() : ""));
+    const auto lines = measure(c.ranks, "--strategy " + c.strategy +
+                                            (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard) +
+                                            (save ? " --checkpoint " + checkpoint.string() : ""));
     ASSERT_TRUE(lines.contains("step")) << lines.dump();
     const auto& measured = lines["step"];
     ASSERT_TRUE(measured.contains("model_state_bytes_per_rank")) << measured.dump();
-    const auto estimated = estimate("--wrap layers --num-processes " + std::to_string(c.ranks) + " --sharding-strategy " +
-                                    c.strategy + (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard));
+    const auto estimated =
+        estimate("--wrap layers --num-processes " + std::to_string(c.ranks) + " --sharding-strategy " + c.strategy +
+                 (c.reshard.empty() ? "" : " --reshard-after-forward " + c.reshard));
     EXPECT_EQ(estimated["parameters"].get<int64_t>(), measured["parameters"].get<int64_t>());
     const double state = measured["model_state_bytes_per_rank"].get<double>();
     const double sent = measured["bytes_sent_per_step"].get<double>();
@@ -96,8 +100,10 @@ TEST_F(EstimateMemory, ModelStateAndBytesSentMatchTheEnginesCountersOnTwoAndFour
     // sent differ only by the collective check's few bytes per collective.
     EXPECT_NEAR(estimated["model_state_bytes"].get<double>() / state, 1.0, 0.10) << estimated.dump() << measured.dump();
     EXPECT_EQ(estimated["model_state_bytes"].get<int64_t>(), measured["model_state_bytes_per_rank"].get<int64_t>());
-    EXPECT_NEAR(estimated["bytes_sent_per_step"].get<double>() / sent, 1.0, 0.10) << estimated.dump() << measured.dump();
-    EXPECT_NEAR(estimated["bytes_sent_per_step"].get<double>() / sent, 1.0, 0.01) << estimated.dump() << measured.dump();
+    EXPECT_NEAR(estimated["bytes_sent_per_step"].get<double>() / sent, 1.0, 0.10)
+        << estimated.dump() << measured.dump();
+    EXPECT_NEAR(estimated["bytes_sent_per_step"].get<double>() / sent, 1.0, 0.01)
+        << estimated.dump() << measured.dump();
     if (save) {
       ASSERT_TRUE(lines.contains("checkpoint")) << lines.dump();
       // Every file of the directory (shards, .metadata, the progress file) against the estimate's
@@ -135,10 +141,12 @@ TEST_F(EstimateMemory, AtOneRankItIsAcceleratesTrainingFigurePlusTheOutputHeadAc
 
 TEST_F(EstimateMemory, BadInputIsNamedAndATooSmallMemorySaysItDoesNotFit) {
   const std::string cli = FSDP_CLI_PATH;
-  auto small = run_command(cli + " estimate-memory --config " + (root_ / "model").string() + " --num-processes 2 --memory-per-rank 1MB");
+  auto small = run_command(cli + " estimate-memory --config " + (root_ / "model").string() +
+                           " --num-processes 2 --memory-per-rank 1MB");
   EXPECT_EQ(small.exit_code, 3) << small.output;
   EXPECT_NE(small.output.find("does not fit: peak"), std::string::npos) << small.output;
-  auto fits = run_command(cli + " estimate-memory --preset llama3-70b --num-processes 512 --mixed-precision bf16 "
+  auto fits = run_command(cli +
+                          " estimate-memory --preset llama3-70b --num-processes 512 --mixed-precision bf16 "
                           "--seq-len 4096 --activation-checkpointing --memory-per-rank 80GB");
   EXPECT_EQ(fits.exit_code, 0) << fits.output;
   EXPECT_NE(fits.output.find("fits: peak"), std::string::npos) << fits.output;

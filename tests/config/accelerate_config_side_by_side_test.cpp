@@ -2,17 +2,14 @@
 // tests/python/accelerate_launch_env.py, which runs Accelerate's own launch path without starting
 // anything): the same FSDP_* variables with the same values for Accelerate's YAML files of both
 // versions, except the deliberate differences named in `deliberate` below (docs/plugin.md).
+#include <fsdp/accelerate_config.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-
-#include <nlohmann/json.hpp>
-
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <string>
-
-#include <fsdp/accelerate_config.h>
 
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -37,7 +34,8 @@ std::vector<LaunchCase> launch_cases() {
       {"fsdp2", read_text_file(std::string(FSDP_TEST_DATA_DIR) + "/accelerate_fsdp2_expected.yaml")},
       {"fsdp1_minimal", "distributed_type: FSDP\nnum_processes: 2\nfsdp_config:\n  fsdp_version: 1\n"},
       {"fsdp1_size_wrap",
-       "distributed_type: FSDP\nmixed_precision: fp16\nnum_processes: 3\nfsdp_config:\n  fsdp_version: 1\n  fsdp_sharding_strategy: "
+       "distributed_type: FSDP\nmixed_precision: fp16\nnum_processes: 3\nfsdp_config:\n  fsdp_version: 1\n  "
+       "fsdp_sharding_strategy: "
        "HYBRID_SHARD\n  fsdp_auto_wrap_policy: SIZE_BASED_WRAP\n  fsdp_min_num_params: 1000\n  fsdp_backward_prefetch: "
        "BACKWARD_POST\n  fsdp_forward_prefetch: true\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n"},
       {"fsdp2_checkpointing_offload",
@@ -54,8 +52,8 @@ std::string deliberate(const std::string& variable, const std::string& version, 
     return "quirk Q1: the version-1 strategy `accelerate config` writes under fsdp_reshard_after_forward is exported "
            "as FSDP_SHARDING_STRATEGY (Accelerate exports FULL_SHARD and runs FULL_SHARD)";
   }
-  if (version == "2" &&
-      (variable == "FSDP_FORWARD_PREFETCH" || variable == "FSDP_USE_ORIG_PARAMS" || variable == "FSDP_SYNC_MODULE_STATES")) {
+  if (version == "2" && (variable == "FSDP_FORWARD_PREFETCH" || variable == "FSDP_USE_ORIG_PARAMS" ||
+                         variable == "FSDP_SYNC_MODULE_STATES")) {
     return "version 2 does not read it, so only a value the user chose is exported (Accelerate exports its launcher "
            "default for every version)";
   }
@@ -81,7 +79,8 @@ TEST(AccelerateLaunchSideBySide, ExportedVariablesMatchAccelerateLaunch) {
     const auto config = parse_accelerate_config(launch.yaml, path);
     const auto ours = fsdp_launch_environment(&config, {}, false, std::nullopt).variables;
     const std::string version = ours.count("FSDP_VERSION") ? ours.at("FSDP_VERSION") : "1";
-    const bool strategy_in_reshard_key = launch.yaml.find("fsdp_reshard_after_forward: SHARD_GRAD_OP") != std::string::npos;
+    const bool strategy_in_reshard_key =
+        launch.yaml.find("fsdp_reshard_after_forward: SHARD_GRAD_OP") != std::string::npos;
     std::map<std::string, std::string> accelerate;
     for (const auto& [name, value] : theirs[path].items()) accelerate[name] = value.get<std::string>();
     for (const auto& [name, value] : accelerate) {

@@ -1,15 +1,14 @@
 // Accelerate YAML configs: loading, strict keys, launcher export and to-fsdp2.
+#include <c10/util/Exception.h>
 #include <fsdp/accelerate_config.h>
 #include <fsdp/plugin.h>
-
-#include <c10/util/Exception.h>
 #include <gtest/gtest.h>
-
-#include "harness/error_message.h"
 
 #include <fstream>
 #include <functional>
 #include <sstream>
+
+#include "harness/error_message.h"
 
 namespace fsdp {
 namespace {
@@ -56,21 +55,24 @@ TEST(AccelerateConfig, AliasBombsAreRefusedBeforeTheyExpand) {
 }
 
 TEST(AccelerateConfig, KeysWithoutPrefixGetIt) {
-  auto config = parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  version: 2\n  offload_params: true\n", "f.yaml");
+  auto config =
+      parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  version: 2\n  offload_params: true\n", "f.yaml");
   EXPECT_EQ(config.fsdp_config.at("fsdp_version"), "2");
   EXPECT_EQ(config.fsdp_config.at("fsdp_offload_params"), "true");
 }
 
 TEST(AccelerateConfig, UnknownKeysAreRejectedWithSuggestions) {
   auto message = error_message_of([] {
-    parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: BACKWARD_PRE\n", "a.yaml");
+    parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_backward_prefetch_policy: BACKWARD_PRE\n",
+                            "a.yaml");
   });
   EXPECT_NE(message.find("'a.yaml': unknown key 'fsdp_backward_prefetch_policy' in fsdp_config; did you mean "
                          "'fsdp_backward_prefetch'?"),
             std::string::npos)
       << message;
   message = error_message_of([] { parse_accelerate_config("num_proceses: 2\n", "b.yaml"); });
-  EXPECT_NE(message.find("unknown key 'num_proceses' at the top level; did you mean 'num_processes'?"), std::string::npos)
+  EXPECT_NE(message.find("unknown key 'num_proceses' at the top level; did you mean 'num_processes'?"),
+            std::string::npos)
       << message;
   message = error_message_of([] { parse_accelerate_config("zzz_unrelated: 1\n", "c.yaml"); });
   EXPECT_NE(message.find("unknown key 'zzz_unrelated'"), std::string::npos) << message;
@@ -78,26 +80,36 @@ TEST(AccelerateConfig, UnknownKeysAreRejectedWithSuggestions) {
 }
 
 TEST(AccelerateConfig, UnsupportedFeaturesAndBadValuesAreErrors) {
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "d.yaml"); })
-                .find("'deepspeed_config' configures a feature fsdp.cpp does not provide"),
+  EXPECT_NE(error_message_of([] {
+              parse_accelerate_config("deepspeed_config:\n  zero_stage: 3\n", "d.yaml");
+            }).find("'deepspeed_config' configures a feature fsdp.cpp does not provide"),
             std::string::npos);
   EXPECT_TRUE(error_message_of([] { parse_accelerate_config("deepspeed_config: {}\n", "d.yaml"); }).empty());
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("distributed_type: DEEPSPEED\n", "e.yaml"); }).find("FSDP, MULTI_CPU"),
+  EXPECT_NE(error_message_of([] {
+              parse_accelerate_config("distributed_type: DEEPSPEED\n", "e.yaml");
+            }).find("FSDP, MULTI_CPU"),
             std::string::npos);
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("num_processes: two\n", "f.yaml"); })
-                .find("'f.yaml': key 'num_processes' must be an integer, got 'two'"),
+  EXPECT_NE(error_message_of([] {
+              parse_accelerate_config("num_processes: two\n", "f.yaml");
+            }).find("'f.yaml': key 'num_processes' must be an integer, got 'two'"),
             std::string::npos);
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("rdzv_backend: c10d\n", "g.yaml"); }).find("static rendezvous"),
+  EXPECT_NE(
+      error_message_of([] { parse_accelerate_config("rdzv_backend: c10d\n", "g.yaml"); }).find("static rendezvous"),
+      std::string::npos);
+  EXPECT_NE(error_message_of([] {
+              parse_accelerate_config("mixed_precision: fp4\n", "h.yaml");
+            }).find("fp8, fp16, bf16, fp32"),
             std::string::npos);
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("mixed_precision: fp4\n", "h.yaml"); }).find("fp8, fp16, bf16, fp32"),
+  EXPECT_NE(error_message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"),
             std::string::npos);
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("- a\n- b\n", "i.yaml"); }).find("must be a YAML mapping"), std::string::npos);
-  EXPECT_NE(error_message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"), std::string::npos);
+  EXPECT_NE(error_message_of([] { load_accelerate_config("/nonexistent/config.yaml"); }).find("cannot be read"),
+            std::string::npos);
   // A directory used to be reported as an empty file.
   EXPECT_NE(error_message_of([] { load_accelerate_config("/tmp"); }).find("config file '/tmp' is not a regular file"),
             std::string::npos);
-  EXPECT_NE(error_message_of([] { parse_accelerate_config("a: [1, 2\n", "j.yaml"); }).find("'j.yaml' is not valid YAML"),
-            std::string::npos);
+  EXPECT_NE(
+      error_message_of([] { parse_accelerate_config("a: [1, 2\n", "j.yaml"); }).find("'j.yaml' is not valid YAML"),
+      std::string::npos);
   EXPECT_NE(error_message_of([] { parse_accelerate_config("[1]: 2\n", "k.yaml"); }).find("must be a plain name"),
             std::string::npos);
 }
@@ -112,7 +124,7 @@ TEST(AccelerateConfig, LaunchExportMatchesAccelerate) {
   EXPECT_EQ(variables.at("FSDP_SHARDING_STRATEGY"), "SHARD_GRAD_OP");  // Accelerate exports FULL_SHARD (Q1)
   EXPECT_EQ(variables.at("FSDP_OFFLOAD_PARAMS"), "true");              // the flag beats the file, lowercased
   EXPECT_EQ(exported.origins.at("FSDP_OFFLOAD_PARAMS"), "--fsdp-offload-params flag");
-  EXPECT_EQ(variables.at("FSDP_MIN_NUM_PARAMS"), "100000000");          // launcher default
+  EXPECT_EQ(variables.at("FSDP_MIN_NUM_PARAMS"), "100000000");  // launcher default
   EXPECT_EQ(variables.at("FSDP_STATE_DICT_TYPE"), "SHARDED_STATE_DICT");
   EXPECT_EQ(exported.origins.at("FSDP_STATE_DICT_TYPE"), "fsdp_config.fsdp_state_dict_type in fsdp1.yaml");
   EXPECT_EQ(variables.at("FSDP_TRANSFORMER_CLS_TO_WRAP"), "LlamaDecoderLayer, MLPBlock");
@@ -126,14 +138,17 @@ TEST(AccelerateConfig, LaunchExportMatchesAccelerate) {
 }
 
 TEST(AccelerateConfig, LaunchExportErrorsNameTheKeyAndFile) {
-  auto config = parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: FULL\n", "bad.yaml");
+  auto config =
+      parse_accelerate_config("distributed_type: FSDP\nfsdp_config:\n  fsdp_state_dict_type: FULL\n", "bad.yaml");
   auto message = error_message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
   EXPECT_NE(message.find("state_dict_type='FULL' (from environment variable FSDP_STATE_DICT_TYPE set from "
                          "fsdp_config.fsdp_state_dict_type in bad.yaml)"),
             std::string::npos)
       << message;
   config = parse_accelerate_config(
-      "distributed_type: FSDP\nfsdp_config:\n  fsdp_cpu_ram_efficient_loading: true\n  fsdp_sync_module_states: false\n", "c.yaml");
+      "distributed_type: FSDP\nfsdp_config:\n  fsdp_cpu_ram_efficient_loading: true\n  fsdp_sync_module_states: "
+      "false\n",
+      "c.yaml");
   message = error_message_of([&] { fsdp_launch_environment(&config, {}, false, std::nullopt); });
   EXPECT_NE(message.find("set fsdp_sync_module_states to true"), std::string::npos) << message;
   message = error_message_of([] { fsdp_launch_environment(nullptr, {{"fsdp_version", "2"}}, false, std::nullopt); });
@@ -190,9 +205,13 @@ TEST(AccelerateConfig, VersionTwoExportsTheVersionOneSettingsAUserChose) {
 }
 
 TEST(AccelerateConfig, ToFsdp2StrategyMappingAndEdgeCases) {
-  for (const auto& [strategy, expected] : std::vector<std::pair<std::string, std::string>>{
-           {"FULL_SHARD", "true"}, {"SHARD_GRAD_OP", "false"}, {"HYBRID_SHARD", "true"}, {"HYBRID_SHARD_ZERO2", "false"},
-           {"NO_SHARD", "false"}, {"1", "true"}}) {
+  for (const auto& [strategy, expected] :
+       std::vector<std::pair<std::string, std::string>>{{"FULL_SHARD", "true"},
+                                                        {"SHARD_GRAD_OP", "false"},
+                                                        {"HYBRID_SHARD", "true"},
+                                                        {"HYBRID_SHARD_ZERO2", "false"},
+                                                        {"NO_SHARD", "false"},
+                                                        {"1", "true"}}) {
     auto yaml = convert_config_to_fsdp2("fsdp_config:\n  fsdp_sharding_strategy: " + strategy + "\n", "s.yaml").yaml;
     EXPECT_NE(yaml.find("fsdp_reshard_after_forward: " + expected), std::string::npos) << strategy << ":\n" << yaml;
     EXPECT_EQ(yaml.find("fsdp_sharding_strategy"), std::string::npos) << yaml;
@@ -202,8 +221,9 @@ TEST(AccelerateConfig, ToFsdp2StrategyMappingAndEdgeCases) {
   auto no_fsdp = convert_config_to_fsdp2("num_processes: 2\n", "n.yaml");
   EXPECT_NE(no_fsdp.warnings.at(0).find("no fsdp_config"), std::string::npos);
   EXPECT_NE(error_message_of([] { convert_config_to_fsdp2("", "empty.yaml"); }).find("is empty"), std::string::npos);
-  EXPECT_NE(error_message_of([] { convert_config_to_fsdp2("fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n", "l.yaml"); })
-                .find("LOCAL_STATE_DICT does not exist in FSDP version 2"),
+  EXPECT_NE(error_message_of([] {
+              convert_config_to_fsdp2("fsdp_config:\n  fsdp_state_dict_type: LOCAL_STATE_DICT\n", "l.yaml");
+            }).find("LOCAL_STATE_DICT does not exist in FSDP version 2"),
             std::string::npos);
   // A NUL in a quoted value (found by plugin_config_fuzz) is kept, and so is everything after it.
   auto nul = convert_config_to_fsdp2("fsdp_config:\n  fsdp_activation_checkpointing: \"a\\0b\"\n", "nul.yaml");

@@ -2,21 +2,19 @@
 // tests/python/accelerate_plugin.py): the same FSDP_* environment and arguments resolve to the same
 // value of every field Accelerate has, or both refuse. (fsdp_version 3, which Accelerate accepts and
 // fsdp.cpp refuses, is in plugin_test.cpp; so is sync_module_states on a machine without a GPU,
-// which Accelerate refuses and fsdp.cpp runs: accelerate_plugin.py resolves it as on a CUDA machine.) Where Accelerate leaves a field unset (None)
-// and fsdp.cpp shows its default or a value derived from another field (the source says which),
-// the two agree by construction. The deliberate differences are listed in kDeliberate with the
-// reason; the quirk cases of docs/plugin.md (Q1, Q2, NO_WRAP with activation checkpointing) are
-// tested in plugin_test.cpp against the spec instead.
+// which Accelerate refuses and fsdp.cpp runs: accelerate_plugin.py resolves it as on a CUDA machine.) Where Accelerate
+// leaves a field unset (None) and fsdp.cpp shows its default or a value derived from another field (the source says
+// which), the two agree by construction. The deliberate differences are listed in kDeliberate with the reason; the
+// quirk cases of docs/plugin.md (Q1, Q2, NO_WRAP with activation checkpointing) are tested in plugin_test.cpp against
+// the spec instead.
+#include <fsdp/plugin.h>
 #include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
 
 #include <fstream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 #include <string>
-
-#include <fsdp/plugin.h>
 
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -40,30 +38,48 @@ std::vector<SideBySideCase> side_by_side_cases() {
       {"V1Defaults", {}},
       {"V2Defaults", {{"FSDP_VERSION", "2"}}},
       {"V1EveryVariable",
-       {{"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"}, {"FSDP_BACKWARD_PREFETCH", "BACKWARD_POST"},
-        {"FSDP_OFFLOAD_PARAMS", "true"}, {"FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"}, {"FSDP_FORWARD_PREFETCH", "true"},
-        {"FSDP_SYNC_MODULE_STATES", "true"}, {"FSDP_USE_ORIG_PARAMS", "true"}, {"FSDP_IGNORED_MODULES", "lm_head"},
+       {{"FSDP_SHARDING_STRATEGY", "SHARD_GRAD_OP"},
+        {"FSDP_BACKWARD_PREFETCH", "BACKWARD_POST"},
+        {"FSDP_OFFLOAD_PARAMS", "true"},
+        {"FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"},
+        {"FSDP_FORWARD_PREFETCH", "true"},
+        {"FSDP_SYNC_MODULE_STATES", "true"},
+        {"FSDP_USE_ORIG_PARAMS", "true"},
+        {"FSDP_IGNORED_MODULES", "lm_head"},
         {"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"}}},
       {"V1DigitsAndNoPrefetch",
-       {{"FSDP_SHARDING_STRATEGY", "3"}, {"FSDP_BACKWARD_PREFETCH", "NO_PREFETCH"}, {"FSDP_STATE_DICT_TYPE", "LOCAL_STATE_DICT"}}},
+       {{"FSDP_SHARDING_STRATEGY", "3"},
+        {"FSDP_BACKWARD_PREFETCH", "NO_PREFETCH"},
+        {"FSDP_STATE_DICT_TYPE", "LOCAL_STATE_DICT"}}},
       {"V1HybridPrefetchPre", {{"FSDP_SHARDING_STRATEGY", "HYBRID_SHARD"}, {"FSDP_BACKWARD_PREFETCH", "BACKWARD_PRE"}}},
       {"V1TransformerWrapWithCheckpointing",
-       {{"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"}, {"FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer,MLPBlock"},
+       {{"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+        {"FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer,MLPBlock"},
         {"FSDP_ACTIVATION_CHECKPOINTING", "true"}}},
       {"V1SizeWrap", {{"FSDP_AUTO_WRAP_POLICY", "SIZE_BASED_WRAP"}, {"FSDP_MIN_NUM_PARAMS", "1000"}}},
-      {"V1EfficientLoadingForcesSync", {{"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"}, {"FSDP_SYNC_MODULE_STATES", "false"}}},
+      {"V1EfficientLoadingForcesSync",
+       {{"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"}, {"FSDP_SYNC_MODULE_STATES", "false"}}},
       {"V2EveryVariable",
-       {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "false"}, {"FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT"},
-        {"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"}, {"FSDP_OFFLOAD_PARAMS", "true"},
-        {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"}, {"FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer"},
-        {"FSDP_ACTIVATION_CHECKPOINTING", "true"}, {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"},
+       {{"FSDP_VERSION", "2"},
+        {"FSDP_RESHARD_AFTER_FORWARD", "false"},
+        {"FSDP_STATE_DICT_TYPE", "FULL_STATE_DICT"},
+        {"FSDP_CPU_RAM_EFFICIENT_LOADING", "true"},
+        {"FSDP_OFFLOAD_PARAMS", "true"},
+        {"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+        {"FSDP_TRANSFORMER_CLS_TO_WRAP", "LlamaDecoderLayer"},
+        {"FSDP_ACTIVATION_CHECKPOINTING", "true"},
+        {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"},
         {"FSDP_IGNORED_MODULES", "model\\.layers\\.0\\..*"}}},
       // Version 2 does not read these (fsdp.cpp warns; Accelerate drops them): the values are the same.
       {"V2UnreadVariables",
-       {{"FSDP_VERSION", "2"}, {"FSDP_FORWARD_PREFETCH", "true"}, {"FSDP_USE_ORIG_PARAMS", "false"},
+       {{"FSDP_VERSION", "2"},
+        {"FSDP_FORWARD_PREFETCH", "true"},
+        {"FSDP_USE_ORIG_PARAMS", "false"},
         {"FSDP_SYNC_MODULE_STATES", "true"}}},
       {"V2ReshardTrueSizeWrap",
-       {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "yes"}, {"FSDP_AUTO_WRAP_POLICY", "size_based_wrap"},
+       {{"FSDP_VERSION", "2"},
+        {"FSDP_RESHARD_AFTER_FORWARD", "yes"},
+        {"FSDP_AUTO_WRAP_POLICY", "size_based_wrap"},
         {"FSDP_MIN_NUM_PARAMS", "50"}}},
       {"V1MixedPrecisionFp16", {}, std::string("fp16")},
       {"V1MixedPrecisionBf16", {}, std::string("bf16")},
@@ -71,14 +87,19 @@ std::vector<SideBySideCase> side_by_side_cases() {
       {"V2MixedPrecisionFp32", {{"FSDP_VERSION", "2"}}, std::string("fp32")},
       {"V1ForwardPrefetchArgument", {}, std::nullopt, true},
       // Accelerate's str_to_bool refuses "8"; FSDP2 takes the int (hpZ), and so does fsdp.cpp.
-      {"V2ReshardGroupSize", {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "8"}}, std::nullopt, std::nullopt,
+      {"V2ReshardGroupSize",
+       {{"FSDP_VERSION", "2"}, {"FSDP_RESHARD_AFTER_FORWARD", "8"}},
+       std::nullopt,
+       std::nullopt,
        "an integer reshard_after_forward is FSDP2's group size (hpZ)"},
       // Both refuse.
       {"V2LocalStateDict", {{"FSDP_VERSION", "2"}, {"FSDP_STATE_DICT_TYPE", "LOCAL_STATE_DICT"}}},
       {"V2ForwardPrefetchArgument", {{"FSDP_VERSION", "2"}}, std::nullopt, true},
-      {"CheckpointingOffloadWithoutCheckpointing", {{"FSDP_VERSION", "2"}, {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"}}},
+      {"CheckpointingOffloadWithoutCheckpointing",
+       {{"FSDP_VERSION", "2"}, {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"}}},
       {"CheckpointingOffloadOnVersionOne",
-       {{"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"}, {"FSDP_ACTIVATION_CHECKPOINTING", "true"},
+       {{"FSDP_AUTO_WRAP_POLICY", "TRANSFORMER_BASED_WRAP"},
+        {"FSDP_ACTIVATION_CHECKPOINTING", "true"},
         {"FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "true"}}},
   };
 }
@@ -121,7 +142,8 @@ nlohmann::json plain_value(const std::string& field, const nlohmann::json& value
   if (field == "mixed_precision_policy") {
     nlohmann::json dtypes;
     for (const char* key : {"param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"}) {
-      dtypes[key] = value[key].is_null() ? nlohmann::json(nullptr) : nlohmann::json(python_dtype(value[key].get<std::string>()));
+      dtypes[key] =
+          value[key].is_null() ? nlohmann::json(nullptr) : nlohmann::json(python_dtype(value[key].get<std::string>()));
     }
     return dtypes;
   }
@@ -134,13 +156,15 @@ TEST(PluginSideBySide, EveryFieldResolvesAsAcceleratesOwnPlugin) {
   const auto cases = side_by_side_cases();
   nlohmann::json listed = nlohmann::json::array();
   for (const auto& side : cases) {
-    nlohmann::json entry = {{"name", side.name}, {"environment", side.environment}, {"arguments", nlohmann::json::object()}};
+    nlohmann::json entry = {
+        {"name", side.name}, {"environment", side.environment}, {"arguments", nlohmann::json::object()}};
     if (side.mixed_precision) entry["arguments"]["mixed_precision_policy"] = *side.mixed_precision;
     if (side.forward_prefetch) entry["arguments"]["forward_prefetch"] = *side.forward_prefetch;
     listed.push_back(entry);
   }
   std::ofstream(directory + "/cases.json") << listed.dump();
-  ASSERT_TRUE(testing::run_python("accelerate_plugin.py", {directory + "/cases.json", directory + "/accelerate.json"}).ok);
+  ASSERT_TRUE(
+      testing::run_python("accelerate_plugin.py", {directory + "/cases.json", directory + "/accelerate.json"}).ok);
   nlohmann::json theirs;
   std::ifstream(directory + "/accelerate.json") >> theirs;
   std::set<std::string> compared_fields;
@@ -177,10 +201,10 @@ TEST(PluginSideBySide, EveryFieldResolvesAsAcceleratesOwnPlugin) {
       const auto our_value = plain_value(field, ours[field]["value"]);
       const auto source = ours[field]["source"].get<std::string>();
       // Accelerate leaves it unset; fsdp.cpp shows the default or what another field implies.
-      const bool unset_there = their_value.is_null() && (source.rfind("default", 0) == 0 || source.rfind("derived", 0) == 0);
-      EXPECT_TRUE(unset_there || our_value == their_value)
-          << "field " << field << ": fsdp.cpp " << our_value.dump() << " (" << source << "), Accelerate "
-          << their_value.dump();
+      const bool unset_there =
+          their_value.is_null() && (source.rfind("default", 0) == 0 || source.rfind("derived", 0) == 0);
+      EXPECT_TRUE(unset_there || our_value == their_value) << "field " << field << ": fsdp.cpp " << our_value.dump()
+                                                           << " (" << source << "), Accelerate " << their_value.dump();
     }
   }
   // Every field but the deliberate differences was compared at least once.

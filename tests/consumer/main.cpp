@@ -1,7 +1,6 @@
 // Uses the installed public headers only.
-#include <fsdp/fsdp.h>
-
 #include <ATen/ATen.h>
+#include <fsdp/fsdp.h>
 
 #include <iostream>
 

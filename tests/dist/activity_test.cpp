@@ -1,12 +1,12 @@
 // A collective that fails names what it was for: the unit and the iteration (src/dist/activity.h),
 // recorded when it was issued (issue Reliability: a stuck rank's report named only the collective
 // and the group).
+#include "dist/activity.h"
+
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fsdp/fsdp.h>
-
-#include "dist/activity.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 #include "harness/test_models.h"

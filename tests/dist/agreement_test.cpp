@@ -3,12 +3,11 @@
 // Accelerator::prepare with another FSDP_* environment on one rank, and fully_shard of another
 // model on one rank, which used to abort inside Gloo (op.preamble.length <= op.nbytes) or wait for
 // the collective timeout.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
-
-#include <tuple>
 #include <torch/torch.h>
 
-#include <fsdp/fsdp.h>
+#include <tuple>
 
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
@@ -22,9 +21,10 @@ TEST(Agreement, FieldsThatDifferAreNamedWithEachRanksValue) {
     const std::string rank = std::to_string(context.rank());
     require_same_on_every_rank(context, "the same", {{"a", "1"}, {"b", "2"}}, "unused");
     const auto message = testing::error_message_of([&] {
-      require_same_on_every_rank(context, "the run",
-                                 {{"a", "1"}, {"b", context.rank() == 1 ? "x" : "y"}, {"c", context.rank() == 2 ? "p" : "q"}},
-                                 "Start every rank alike.");
+      require_same_on_every_rank(
+          context, "the run",
+          {{"a", "1"}, {"b", context.rank() == 1 ? "x" : "y"}, {"c", context.rank() == 2 ? "p" : "q"}},
+          "Start every rank alike.");
     });
     EXPECT_NE(message.find("the run: the ranks disagree: 'b' is x on rank 1 and y on ranks 0, 2; 'c' is p on rank 2 "
                            "and q on ranks 0, 1. Start every rank alike."),
@@ -33,7 +33,8 @@ TEST(Agreement, FieldsThatDifferAreNamedWithEachRanksValue) {
     // A field only some ranks state.
     std::vector<std::pair<std::string, std::string>> fields = {{"a", "1"}};
     if (context.rank() == 0) fields.emplace_back("extra", "e");
-    const auto missing = testing::error_message_of([&] { require_same_on_every_rank(context, "the run", fields, "Fix."); });
+    const auto missing =
+        testing::error_message_of([&] { require_same_on_every_rank(context, "the run", fields, "Fix."); });
     EXPECT_NE(missing.find("'extra' is (not stated) on ranks 1, 2 and e on rank 0"), std::string::npos) << missing;
   });
 }
@@ -55,9 +56,8 @@ TEST(Agreement, RanksThatAgreeSendAFixedNumberOfBytesWhateverTheyAgreeOn) {
     EXPECT_GT(few, 0);
     EXPECT_EQ(bytes_to_agree_on(10000, "[4096, 4096] Float"), few);
     control.reset_bytes_sent();
-    testing::error_message_of([&] {
-      require_same_on_every_rank(context, "the model", {{"a", context.rank() == 1 ? "x" : "y"}}, "unused");
-    });
+    testing::error_message_of(
+        [&] { require_same_on_every_rank(context, "the model", {{"a", context.rank() == 1 ? "x" : "y"}}, "unused"); });
     EXPECT_GT(control.bytes_sent().total(), few) << "a disagreement gathers the details after the digest";
   });
 }
@@ -120,7 +120,8 @@ TEST(Agreement, EverySettingOneRankHasOtherwiseIsNamed) {
       }
       Accelerator accelerator(context, AcceleratorOptions{}, environment);
       const auto message = testing::error_message_of([&] { accelerator.prepare(model, optimizer); });
-      EXPECT_NE(message.find("Accelerator::prepare: the ranks disagree: "), std::string::npos) << variable << ": " << message;
+      EXPECT_NE(message.find("Accelerator::prepare: the ranks disagree: "), std::string::npos)
+          << variable << ": " << message;
       EXPECT_NE(message.find("'" + field + "' is"), std::string::npos) << variable << ": " << message;
       EXPECT_NE(message.find("on rank 1"), std::string::npos) << variable << ": " << message;
     }
@@ -146,8 +147,9 @@ TEST(Agreement, FullyShardOfAnotherModelOnOneRankIsANamedError) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
     torch::nn::Sequential model(torch::nn::Linear(4, context.rank() == 1 ? 6 : 5), torch::nn::Linear(5, 2));
     const auto message = testing::error_message_of([&] { fully_shard(model.ptr(), context); });
-    EXPECT_NE(message.find("the ranks disagree: 'parameter 0.weight' is [5, 4] Float on rank 0 and [6, 4] Float on rank 1"),
-              std::string::npos)
+    EXPECT_NE(
+        message.find("the ranks disagree: 'parameter 0.weight' is [5, 4] Float on rank 0 and [6, 4] Float on rank 1"),
+        std::string::npos)
         << message;
     // Other options for the same module.
     torch::nn::Linear layer(3, 3);

@@ -1,7 +1,7 @@
 // Note [Algorithms by measurement]: the thresholds the sweep in bench/README.md measured.
-#include <gtest/gtest.h>
-
 #include "dist/collective_algorithm.h"
+
+#include <gtest/gtest.h>
 
 namespace fsdp::detail {
 namespace {

@@ -1,20 +1,19 @@
 // Collectives on 1-4 real processes: values, dtypes, padding, empty shards and bytes on the wire.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
 #include <fsdp/collectives.h>
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <filesystem>
+#include <fstream>
+#include <map>
+#include <thread>
 
 #include "dist/activity.h"
 #include "dist/selftest.h"
-#include "harness/multi_rank.h"
-
-#include <ATen/ATen.h>
-#include <c10/util/Exception.h>
-#include <gtest/gtest.h>
-#include <chrono>
-#include <map>
-#include <thread>
-#include <fstream>
-#include <filesystem>
-
 #include "harness/error_message.h"
+#include "harness/multi_rank.h"
 
 namespace fsdp {
 namespace {
@@ -143,7 +142,8 @@ TEST_P(Collectives, AnAsyncCollectiveReturnsBeforeAnyPeerIssuedItAndQueryIsTrueA
           EXPECT_TRUE(work.query());
           EXPECT_TRUE(work.completed());
         } else {
-          ASSERT_TRUE(appears_within_five_seconds(mark)) << "rank 0's all_gather_async did not return before its peers issued";
+          ASSERT_TRUE(appears_within_five_seconds(mark))
+              << "rank 0's all_gather_async did not return before its peers issued";
           all_gather(world, gathered, shard);
         }
         for (int64_t peer = 0; peer < size; ++peer) EXPECT_EQ(gathered[peer * 4 + 3].item<float>(), peer);
@@ -178,7 +178,8 @@ TEST_P(Collectives, AsyncAllReduceAndBroadcastReturnBeforeAnyPeerIssuedThem) {
           counted.wait();
           reduction.wait();
         } else {
-          ASSERT_TRUE(appears_within_five_seconds(mark)) << "rank 0's async all_reduce or broadcast waited for its peers";
+          ASSERT_TRUE(appears_within_five_seconds(mark))
+              << "rank 0's async all_reduce or broadcast waited for its peers";
           all_reduce(world, summed);
           all_reduce(world, counts);
           broadcast(world, sent, 0);
@@ -255,16 +256,18 @@ TEST(CollectiveFrames, RanksThatIssueDifferentCollectivesGetANamedErrorNotAnAbor
       EXPECT_NE(message.find("the ranks of group 'world' issued different collectives: this rank issued "),
                 std::string::npos)
           << message;
-      for (const auto& part : expected) EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
+      for (const auto& part : expected)
+        EXPECT_NE(message.find(part), std::string::npos) << part << " not in: " << message;
     };
     // Another size on rank 2.
     const int64_t numel = rank == 2 ? 8 : 4;
     auto shard = at::full({numel}, static_cast<float>(rank));
     auto gathered = at::empty({3 * numel});
     expect_error([&] { all_gather(world, gathered, shard); },
-                 rank == 2 ? std::vector<std::string>{"this rank issued all_gather of 8 x Float; rank 0 issued all_gather "
-                                                      "of 4 x Float; rank 1 issued all_gather of 4 x Float"}
-                           : std::vector<std::string>{"rank 2 issued all_gather of 8 x Float"});
+                 rank == 2
+                     ? std::vector<std::string>{"this rank issued all_gather of 8 x Float; rank 0 issued all_gather "
+                                                "of 4 x Float; rank 1 issued all_gather of 4 x Float"}
+                     : std::vector<std::string>{"rank 2 issued all_gather of 8 x Float"});
     // The same size, for different units.
     {
       detail::ActivityScope unit(rank == 1 ? "FSDP unit model.layers.1 (Block), iteration 3, FORWARD"
@@ -324,7 +327,9 @@ TEST(CollectiveFrames, ARankThatNeverIssuesTheCollectiveIsNamedAfterTheTimeout) 
 TEST(CollectiveFrames, WithTheCheckOffNoHeaderIsSentAndDivergedRanksTimeOutInsteadOfSwappingBytes) {
   testing::MultiRankOptions options;
   options.collective_timeout = std::chrono::seconds(2);
-  options.environment_for_rank = [](int) { return std::map<std::string, std::string>{{"FSDP_CHECK_COLLECTIVES", "0"}}; };
+  options.environment_for_rank = [](int) {
+    return std::map<std::string, std::string>{{"FSDP_CHECK_COLLECTIVES", "0"}};
+  };
   testing::run_on_ranks(
       2,
       [](const DistributedContext& context) {
@@ -357,7 +362,8 @@ TEST(CollectiveErrors, BadBuffersAreNamed) {
   EXPECT_NE(message.find("output has 3 elements but expected 1 ranks x 2 = 2"), std::string::npos) << message;
   message = error_message_of([&] { all_gather(world, at::empty({2}, at::kDouble), at::empty({2})); });
   EXPECT_NE(message.find("dtype"), std::string::npos) << message;
-  message = error_message_of([&] { reduce_scatter(world, at::empty({2}), at::empty({4, 2}).t().reshape({8}).narrow(0, 0, 1)); });
+  message = error_message_of(
+      [&] { reduce_scatter(world, at::empty({2}), at::empty({4, 2}).t().reshape({8}).narrow(0, 0, 1)); });
   EXPECT_NE(message.find("reduce_scatter"), std::string::npos) << message;
   message = error_message_of([&] { all_reduce(world, at::empty({4, 4}).t()); });
   EXPECT_NE(message.find("must be contiguous"), std::string::npos) << message;
@@ -369,7 +375,10 @@ TEST(CollectiveErrors, BadBuffersAreNamed) {
   EXPECT_NE(message.find("needs a floating dtype"), std::string::npos) << message;
   message = error_message_of([&] { broadcast(world, at::empty({2}), 1); });
   EXPECT_NE(message.find("root 1 is outside [0, 1)"), std::string::npos) << message;
-  message = error_message_of([] { ProcessGroup empty; (void)empty.size(); });
+  message = error_message_of([] {
+    ProcessGroup empty;
+    (void)empty.size();
+  });
   EXPECT_NE(message.find("handle is empty"), std::string::npos) << message;
 }
 

@@ -1,7 +1,6 @@
 // Parsing of launcher variables: pure, no processes.
-#include <fsdp/distributed_environment.h>
-
 #include <c10/util/Exception.h>
+#include <fsdp/distributed_environment.h>
 #include <gtest/gtest.h>
 
 #include "harness/error_message.h"
@@ -64,8 +63,8 @@ TEST(DistributedEnvironment, AgentStore) {
 // torchrun's restart round (fsdp launch --max-restarts exports the same two variables).
 TEST(DistributedEnvironment, RestartCountAndMaxRestarts) {
   EXPECT_EQ(parse_distributed_environment({}).restart_count, 0);
-  auto environment = parse_distributed_environment({{"RANK", "0"}, {"WORLD_SIZE", "2"},
-                                                    {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_MAX_RESTARTS", "3"}});
+  auto environment = parse_distributed_environment(
+      {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"TORCHELASTIC_RESTART_COUNT", "2"}, {"TORCHELASTIC_MAX_RESTARTS", "3"}});
   EXPECT_EQ(environment.restart_count, 2);
   EXPECT_EQ(environment.max_restarts, 3);
   EXPECT_EQ(parse_distributed_environment({{"TORCHELASTIC_RESTART_COUNT", "1"}}).restart_count, 1);
@@ -73,7 +72,8 @@ TEST(DistributedEnvironment, RestartCountAndMaxRestarts) {
     parse_distributed_environment({{"TORCHELASTIC_RESTART_COUNT", "-1"}});
     FAIL() << "a negative restart count was accepted";
   } catch (const c10::Error& error) {
-    EXPECT_NE(std::string(error.what()).find("TORCHELASTIC_RESTART_COUNT=-1 is negative"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("TORCHELASTIC_RESTART_COUNT=-1 is negative"), std::string::npos)
+        << error.what();
   }
   try {
     parse_distributed_environment({{"TORCHELASTIC_MAX_RESTARTS", "three"}});
@@ -138,7 +138,9 @@ TEST(DistributedEnvironment, SlurmNodelistFirstHost) {
 }
 
 struct BadEnvironment {
-  friend std::ostream& operator<<(std::ostream& stream, const BadEnvironment& value) { return stream << value.description; }
+  friend std::ostream& operator<<(std::ostream& stream, const BadEnvironment& value) {
+    return stream << value.description;
+  }
   const char* description;
   EnvironmentMap variables;
   std::vector<std::string> message_parts;
@@ -151,7 +153,8 @@ TEST_P(DistributedEnvironmentErrors, NamesVariableValueAndFix) {
   auto message = error_of(bad.variables);
   ASSERT_FALSE(message.empty()) << bad.description << ": no error raised";
   for (const auto& part : bad.message_parts) {
-    EXPECT_NE(message.find(part), std::string::npos) << bad.description << ": '" << part << "' missing from: " << message;
+    EXPECT_NE(message.find(part), std::string::npos)
+        << bad.description << ": '" << part << "' missing from: " << message;
   }
 }
 
@@ -165,7 +168,8 @@ INSTANTIATE_TEST_SUITE_P(
         BadEnvironment{"rank >= world size", {{"RANK", "2"}, {"WORLD_SIZE", "2"}}, {"RANK=2", "[0, 2)"}},
         BadEnvironment{"negative rank", {{"RANK", "-1"}, {"WORLD_SIZE", "2"}}, {"RANK=-1"}},
         BadEnvironment{"zero world size", {{"RANK", "0"}, {"WORLD_SIZE", "0"}}, {"WORLD_SIZE=0", "at least 1"}},
-        BadEnvironment{"local rank alone", {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}},
+        BadEnvironment{"local rank alone",
+                       {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}},
                        {"LOCAL_WORLD_SIZE is not set"}},
         BadEnvironment{"local rank too big",
                        {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "2"}, {"LOCAL_WORLD_SIZE", "2"}},
@@ -176,23 +180,28 @@ INSTANTIATE_TEST_SUITE_P(
         BadEnvironment{"multi-node without master",
                        {{"RANK", "0"}, {"WORLD_SIZE", "4"}, {"LOCAL_RANK", "0"}, {"LOCAL_WORLD_SIZE", "2"}},
                        {"MASTER_ADDR is not set", "2 machines"}},
-        BadEnvironment{"port out of range", {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}},
+        BadEnvironment{"port out of range",
+                       {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "70000"}},
                        {"MASTER_PORT=70000", "[1, 65535]"}},
-        BadEnvironment{"port not a number", {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}},
-                       {"MASTER_PORT='http'"}},
-        BadEnvironment{"group rank out of range",
-                       {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "3"}}, {"GROUP_RANK=3"}},
-        BadEnvironment{"bad timeout", {{"FSDP_COLLECTIVE_TIMEOUT", "soon"}}, {"FSDP_COLLECTIVE_TIMEOUT='soon'", "seconds"}},
+        BadEnvironment{
+            "port not a number", {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"MASTER_PORT", "http"}}, {"MASTER_PORT='http'"}},
+        BadEnvironment{
+            "group rank out of range", {{"RANK", "0"}, {"WORLD_SIZE", "2"}, {"GROUP_RANK", "3"}}, {"GROUP_RANK=3"}},
+        BadEnvironment{
+            "bad timeout", {{"FSDP_COLLECTIVE_TIMEOUT", "soon"}}, {"FSDP_COLLECTIVE_TIMEOUT='soon'", "seconds"}},
         BadEnvironment{"negative timeout", {{"FSDP_COLLECTIVE_TIMEOUT", "-3"}}, {"FSDP_COLLECTIVE_TIMEOUT='-3'"}},
-        BadEnvironment{"check neither 0 nor 1", {{"FSDP_CHECK_COLLECTIVES", "off"}},
+        BadEnvironment{"check neither 0 nor 1",
+                       {{"FSDP_CHECK_COLLECTIVES", "off"}},
                        {"FSDP_CHECK_COLLECTIVES='off'", "set it to 1 or 0"}},
         BadEnvironment{"open mpi rank without size", {{"OMPI_COMM_WORLD_RANK", "0"}}, {"OMPI_COMM_WORLD_SIZE"}},
-        BadEnvironment{"slurm bad tasks per node",
-                       {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "x"}},
-                       {"SLURM_TASKS_PER_NODE"}}),
+        BadEnvironment{
+            "slurm bad tasks per node",
+            {{"SLURM_PROCID", "0"}, {"SLURM_NTASKS", "2"}, {"SLURM_LOCALID", "0"}, {"SLURM_TASKS_PER_NODE", "x"}},
+            {"SLURM_TASKS_PER_NODE"}}),
     [](const ::testing::TestParamInfo<BadEnvironment>& info) {
       std::string name;
-      for (const char* c = info.param.description; *c; ++c) name += std::isalnum(static_cast<unsigned char>(*c)) ? *c : '_';
+      for (const char* c = info.param.description; *c; ++c)
+        name += std::isalnum(static_cast<unsigned char>(*c)) ? *c : '_';
       return name;
     });
 

@@ -1,21 +1,19 @@
 // Rendezvous, node groups and their errors.
-#include <fsdp/collectives.h>
-#include <fsdp/process_group.h>
-
-#include "dist/control_channel.h"
-#include "harness/multi_rank.h"
-#include "launch/launcher.h"
-
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <fsdp/collectives.h>
+#include <fsdp/process_group.h>
 #include <gtest/gtest.h>
-
-#include "harness/error_message.h"
 
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+
+#include "dist/control_channel.h"
+#include "harness/error_message.h"
+#include "harness/multi_rank.h"
+#include "launch/launcher.h"
 
 namespace fsdp {
 namespace {
@@ -64,7 +62,8 @@ TEST(DistributedContext, UnreachableMasterNamesAddressAndPort) {
   environment.master_port = port;
   environment.timeout = std::chrono::milliseconds(1500);
   auto message = error_message_of([&] { DistributedContext::initialize(environment); });
-  EXPECT_NE(message.find("could not reach the master at 127.0.0.1:" + std::to_string(port)), std::string::npos) << message;
+  EXPECT_NE(message.find("could not reach the master at 127.0.0.1:" + std::to_string(port)), std::string::npos)
+      << message;
   EXPECT_NE(message.find("FSDP_COLLECTIVE_TIMEOUT"), std::string::npos) << message;
 }
 
@@ -111,7 +110,8 @@ TEST(DistributedContext, RanksThatDisagreeOnTheLayoutAreNamed) {
   testing::MultiRankOptions options;
   options.environment_for_rank = [](int rank) {
     // Rank 1 was started as if it were alone on a second machine.
-    if (rank == 1) return std::map<std::string, std::string>{{"LOCAL_WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"GROUP_RANK", "1"}};
+    if (rank == 1)
+      return std::map<std::string, std::string>{{"LOCAL_WORLD_SIZE", "1"}, {"LOCAL_RANK", "0"}, {"GROUP_RANK", "1"}};
     return std::map<std::string, std::string>{{"LOCAL_WORLD_SIZE", "2"}, {"LOCAL_RANK", "0"}};
   };
   testing::run_processes(
@@ -151,7 +151,8 @@ TEST(DistributedContext, TheStoreListensOnlyOnTheMasterAddress) {
     const int port = std::atoi(std::getenv("MASTER_PORT"));
     if (context.rank() == 0) {
       const auto listeners = listeners_on(port);
-      ASSERT_EQ(listeners.size(), 1u) << "listening sockets on port " << port << ": " << ::testing::PrintToString(listeners);
+      ASSERT_EQ(listeners.size(), 1u) << "listening sockets on port " << port << ": "
+                                      << ::testing::PrintToString(listeners);
       EXPECT_EQ(listeners[0], "0100007F:" + listeners[0].substr(listeners[0].rfind(':') + 1))
           << "the store listens on " << listeners[0] << ", not 127.0.0.1";
     }

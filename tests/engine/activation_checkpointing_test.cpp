@@ -1,15 +1,14 @@
 // Activation checkpointing: the same losses and gradients as without it, alone and inside FSDP units
 // (Accelerate's children-of-blocks layout and FSDP1's whole-unit layout); the forward records one
 // checkpoint node per module instead of the module's own graph.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fsdp/fsdp.h>
-
-#include "harness/parity.h"
-#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
@@ -22,7 +21,8 @@ using testing::unique_parameters;
 /// Every parameter's gradient, by name (undefined ones included, as empty tensors).
 std::map<std::string, torch::Tensor> gradients_of(const torch::nn::Module& model) {
   std::map<std::string, torch::Tensor> gradients;
-  for (const auto& item : model.named_parameters()) gradients[item.key()] = item.value().grad().defined() ? item.value().grad().clone() : torch::Tensor();
+  for (const auto& item : model.named_parameters())
+    gradients[item.key()] = item.value().grad().defined() ? item.value().grad().clone() : torch::Tensor();
   return gradients;
 }
 

@@ -1,15 +1,15 @@
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fsdp/fsdp.h>
-
-#include "harness/test_models.h"
 #include "harness/error_message.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
 
-std::vector<std::string> names_of(const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& modules) {
+std::vector<std::string> names_of(
+    const std::vector<std::pair<std::string, std::shared_ptr<torch::nn::Module>>>& modules) {
   std::vector<std::string> names;
   for (const auto& item : modules) names.push_back(item.first);
   return names;
@@ -19,9 +19,7 @@ TEST(AutoWrap, ChildrenComeBeforeParentsAndTheRootIsLast) {
   testing::TinyTransformer model;
   auto order = names_of(module_children_bottom_up(model.ptr()));
   ASSERT_EQ(order.back(), "");
-  auto position = [&](const std::string& name) {
-    return std::find(order.begin(), order.end(), name) - order.begin();
-  };
+  auto position = [&](const std::string& name) { return std::find(order.begin(), order.end(), name) - order.begin(); };
   EXPECT_LT(position("layers_0.qkv"), position("layers_0"));
   EXPECT_LT(position("layers_1.down"), position("layers_1"));
   EXPECT_EQ(order.size(), model->modules().size());
@@ -41,7 +39,8 @@ TEST(AutoWrap, TransformerPolicyWrapsTheBlocksAndNamesAnUnknownClass) {
   auto policy = transformer_auto_wrap_policy({"TransformerBlock"}, model.ptr());
   EXPECT_EQ(names_of(modules_to_wrap(model.ptr(), policy)), (std::vector<std::string>{"layers_0", "layers_1"}));
   auto message = testing::error_message_of([&] { transformer_auto_wrap_policy({"LlamaDecoderLayer"}, model.ptr()); });
-  EXPECT_NE(message.find("Could not find the transformer layer class 'LlamaDecoderLayer'"), std::string::npos) << message;
+  EXPECT_NE(message.find("Could not find the transformer layer class 'LlamaDecoderLayer'"), std::string::npos)
+      << message;
   EXPECT_NE(message.find("TransformerBlock"), std::string::npos) << message;
 }
 

@@ -15,6 +15,8 @@
 // a ShardedGradScaler. The GpuCases
 // run the same comparison on CUDA devices, one per rank, against FSDP2 over NCCL on the same GPU
 // count (skipped where fewer GPUs are visible; scripts/gpu-check.sh runs them on a GPU machine).
+#include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -25,12 +27,8 @@
 #include <functional>
 #include <limits>
 #include <map>
-#include <sstream>
-
 #include <nlohmann/json.hpp>
-
-#include <fsdp/fsdp.h>
-#include <fsdp/models/llama.h>
+#include <sstream>
 
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
@@ -115,7 +113,8 @@ std::string case_json(const ParityCase& parity) {
   json["accumulation"] = parity.accumulation;
   json["bf16"] = parity.bf16;
   json["fp16"] = parity.fp16;
-  json["scaler"] = parity.scaler ? nlohmann::json{{"init_scale", parity.scaler_init_scale}, {"growth_interval", kScalerGrowthInterval}}
+  json["scaler"] = parity.scaler ? nlohmann::json{{"init_scale", parity.scaler_init_scale},
+                                                  {"growth_interval", kScalerGrowthInterval}}
                                  : nlohmann::json(nullptr);
   json["clip"] = kMaxNorm;
   json["fsdp1"] = parity.fsdp1;
@@ -204,8 +203,8 @@ void write_inputs(const std::string& directory, const ParityCase& parity) {
     } else {
       batches.emplace_back("x." + std::to_string(step), torch::randn({kParityGlobalBatch, 3}));
       // A linear map plus noise: the MLP can learn it.
-      batches.emplace_back("y." + std::to_string(step),
-                           torch::matmul(batches.back().second, target_map) + 0.1 * torch::randn({kParityGlobalBatch, 2}));
+      batches.emplace_back("y." + std::to_string(step), torch::matmul(batches.back().second, target_map) +
+                                                            0.1 * torch::randn({kParityGlobalBatch, 2}));
     }
   }
   write_safetensors(directory + "/batches.safetensors", batches);
@@ -240,7 +239,8 @@ std::unique_ptr<Trainee> prepare_trainee(const DistributedContext& context, cons
     // What Accelerate builds for fsdp_version=1 with these plugin fields.
     FullyShardedDataParallelPluginArgs args;
     args.fsdp_version = int64_t{1};
-    args.sharding_strategy = std::string(static_cast<bool>(parity.reshard_after_forward) ? "FULL_SHARD" : "SHARD_GRAD_OP");
+    args.sharding_strategy =
+        std::string(static_cast<bool>(parity.reshard_after_forward) ? "FULL_SHARD" : "SHARD_GRAD_OP");
     args.auto_wrap_policy = std::string("transformer_based_wrap");
     args.transformer_cls_names_to_wrap = std::string(parity.llama ? "LlamaDecoderLayer" : "ParityBlock");
     if (parity.bf16) {
@@ -256,8 +256,8 @@ std::unique_ptr<Trainee> prepare_trainee(const DistributedContext& context, cons
     FullyShardOptions options;
     options.reshard_after_forward = parity.reshard_after_forward;
     if (parity.hybrid) {
-      options.sharding_strategy =
-          static_cast<bool>(parity.reshard_after_forward) ? ShardingStrategy::kHybridShard : ShardingStrategy::kHybridShardZero2;
+      options.sharding_strategy = static_cast<bool>(parity.reshard_after_forward) ? ShardingStrategy::kHybridShard
+                                                                                  : ShardingStrategy::kHybridShardZero2;
     }
     if (parity.bf16 || parity.fp16) {
       options.mixed_precision.param_dtype = parity.bf16 ? torch::kBFloat16 : torch::kHalf;
@@ -289,9 +289,10 @@ StepOutcome take_step(Trainee& trainee, const DistributedContext& context, const
   const int64_t rows = kParityGlobalBatch / context.world_size();
   const int64_t micro = rows / parity.accumulation;
   const auto x = batches.tensor("x." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(trainee.device);
-  const auto y = parity.llama
-                     ? x
-                     : batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(trainee.device);
+  const auto y =
+      parity.llama
+          ? x
+          : batches.tensor("y." + std::to_string(step)).narrow(0, context.rank() * rows, rows).to(trainee.device);
   auto total = torch::zeros({1}, torch::TensorOptions().device(trainee.device));
   for (int index = 0; index < parity.accumulation; ++index) {
     root.set_requires_gradient_sync(index == parity.accumulation - 1);
@@ -414,7 +415,8 @@ Differences compare(const Result& ours, const Result& theirs) {
     const auto our_values = ours.at(series), their_values = theirs.at(series);
     EXPECT_EQ(our_values.numel(), kParitySteps) << series;
     EXPECT_EQ(their_values.numel(), kParitySteps) << series;
-    for (int step = 0; step < std::min<int64_t>(kParitySteps, std::min(our_values.numel(), their_values.numel())); ++step) {
+    for (int step = 0; step < std::min<int64_t>(kParitySteps, std::min(our_values.numel(), their_values.numel()));
+         ++step) {
       keep_worst(series == "loss" ? worst.loss : worst.norm, relative_difference(ours, theirs, series, step));
     }
   }
@@ -585,7 +587,8 @@ std::vector<ParityCase> parity_cases() {
   std::vector<ParityCase> cases;
   auto add = [&](bool llama, const std::string& name, int world_size, bool reshard, bool hybrid, int accumulation,
                  bool bf16) {
-    cases.push_back({std::string(llama ? "Llama_" : "Mlp_") + name, llama, world_size, reshard, hybrid, accumulation, bf16});
+    cases.push_back(
+        {std::string(llama ? "Llama_" : "Mlp_") + name, llama, world_size, reshard, hybrid, accumulation, bf16});
   };
   for (const bool llama : {false, true}) {
     add(llama, "1ranks_reshard", 1, true, false, 1, false);  // one rank: the baseline without communication

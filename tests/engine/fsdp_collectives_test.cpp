@@ -1,11 +1,11 @@
 // FSDPParam's sharding and the copy-in/copy-out around a unit's collectives, on N simulated ranks in
 // one process: the collectives themselves are replaced by their definitions (concatenate the rows;
 // sum the rows), so these pure functions are checked without a process group.
-#include <gtest/gtest.h>
+#include "engine/fsdp_collectives.h"
 
+#include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "engine/fsdp_collectives.h"
 #include "engine/fsdp_param.h"
 
 namespace fsdp::detail {
@@ -91,9 +91,10 @@ TEST_P(CopyInCopyOut, AllGatherRowsRebuildEveryFullTensorInTheComputeDtype) {
     for (size_t index = 0; index < fulls.size(); ++index) {
       const auto& parameter = ranks[0][index];
       const auto numel = parameter.layout.numel_unsharded();
-      auto rebuilt = unsharded.narrow(0, parameter.unsharded_offset_bytes, numel * c10::elementSize(parameter.compute_dtype))
-                         .view(parameter.compute_dtype)
-                         .view(parameter.layout.unsharded_sizes);
+      auto rebuilt =
+          unsharded.narrow(0, parameter.unsharded_offset_bytes, numel * c10::elementSize(parameter.compute_dtype))
+              .view(parameter.compute_dtype)
+              .view(parameter.layout.unsharded_sizes);
       EXPECT_EQ(parameter.compute_dtype, dtype.value_or(at::kFloat));
       EXPECT_TRUE(rebuilt.equal(fulls[index].to(parameter.compute_dtype))) << parameter.name << " N=" << shard_size;
     }

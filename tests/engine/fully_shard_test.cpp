@@ -1,15 +1,14 @@
 // The engine against single-process libtorch training on the same global batch: losses and final
 // parameters must agree to 1e-5 relative in fp32, for every strategy and world size.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fsdp/fsdp.h>
-
 #include "engine/param_group.h"
-#include "harness/parity.h"
-#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
@@ -98,8 +97,8 @@ void run_parity(const DistributedContext& context, const FullyShardOptions& opti
     auto [reference, sharded] = testing::twin_models<testing::TinyTransformer>(8);
     shard_transformer(sharded, context, options);
     train_and_compare(
-        context, sharded, reference, [](int step) { return token_batch(2000 + step, kGlobalBatch); },
-        next_token_loss, "transformer" + what);
+        context, sharded, reference, [](int step) { return token_batch(2000 + step, kGlobalBatch); }, next_token_loss,
+        "transformer" + what);
   }
 }
 
@@ -118,9 +117,8 @@ class FullyShardParity : public ::testing::TestWithParam<StrategyCase> {};
 
 TEST_P(FullyShardParity, MatchesSingleProcessTraining) {
   const auto strategy = GetParam().strategy;
-  testing::run_on_ranks(GetParam().world_size, [strategy](const DistributedContext& context) {
-    run_parity(context, strategy);
-  });
+  testing::run_on_ranks(GetParam().world_size,
+                        [strategy](const DistributedContext& context) { run_parity(context, strategy); });
 }
 
 std::vector<StrategyCase> strategy_cases() {
@@ -191,7 +189,8 @@ TEST(FullyShard, IntegerReshardAfterForwardTrainsLikeSingleProcessAndGathersBack
         context.world().start_trace();
         loss.backward();
         for (const auto& entry : context.world().stop_trace()) {
-          EXPECT_EQ(entry.rfind("all_gather", 0), std::string::npos) << "an all-gather on the world in backward: " << entry;
+          EXPECT_EQ(entry.rfind("all_gather", 0), std::string::npos)
+              << "an all-gather on the world in backward: " << entry;
         }
         EXPECT_EQ(group->bytes_sent().all_gather, expected_sent);
         for (const auto& unit : units) {
@@ -202,8 +201,9 @@ TEST(FullyShard, IntegerReshardAfterForwardTrainsLikeSingleProcessAndGathersBack
         // A size that does not divide the shard group is named, on every rank.
         options.reshard_after_forward = 3;
         auto message = testing::error_message_of([&] { fully_shard(torch::nn::Linear(2, 2).ptr(), context, options); });
-        EXPECT_NE(message.find("reshard_after_forward=3 must divide the size of the group that shards the unit, 4 ranks"),
-                  std::string::npos)
+        EXPECT_NE(
+            message.find("reshard_after_forward=3 must divide the size of the group that shards the unit, 4 ranks"),
+            std::string::npos)
             << message;
       },
       testing::simulated_machines(2));
@@ -240,8 +240,7 @@ TEST(FullyShard, EachRankStoresOnlyItsShardOfParametersAndOptimizerState) {
     for (const auto& parameter : unique_parameters(*model)) {
       ASSERT_TRUE(parameter.grad().defined());
       EXPECT_EQ(parameter.grad().sizes(), parameter.sizes());
-      auto& state = static_cast<torch::optim::AdamWParamState&>(
-          *optimizer.state().at(optimizer_state_key(parameter)));
+      auto& state = static_cast<torch::optim::AdamWParamState&>(*optimizer.state().at(optimizer_state_key(parameter)));
       EXPECT_EQ(state.exp_avg().numel(), parameter.numel());
       EXPECT_EQ(state.exp_avg_sq().numel(), parameter.numel());
     }
@@ -331,8 +330,7 @@ TEST(FullyShard, ClipGradNormEqualsSingleProcessNorm) {
       next_token_loss(fsdp::forward(sharded, local_slice(inputs, context)), local_slice(targets, context)).backward();
       next_token_loss(reference->forward(inputs), targets).backward();
       const double norm = fsdp::clip_grad_norm_(*sharded, 0.05, norm_type);
-      const double expected =
-          torch::nn::utils::clip_grad_norm_(unique_parameters(*reference), 0.05, norm_type);
+      const double expected = torch::nn::utils::clip_grad_norm_(unique_parameters(*reference), 0.05, norm_type);
       EXPECT_NEAR(norm, expected, 1e-5 * expected) << "norm type " << norm_type;
       EXPECT_GT(expected, 0.05) << "the test must actually clip";
       optimizer.step();
@@ -354,7 +352,9 @@ TORCH_MODULE(Branch);
 
 struct TwoBranchesImpl : torch::nn::Module {
   TwoBranchesImpl() : first(register_module("first", Branch())), second(register_module("second", Branch())) {}
-  torch::Tensor forward(const torch::Tensor& input) { return fsdp::forward(first, input) + fsdp::forward(second, input); }
+  torch::Tensor forward(const torch::Tensor& input) {
+    return fsdp::forward(first, input) + fsdp::forward(second, input);
+  }
   Branch first;
   Branch second;
 };
@@ -426,7 +426,8 @@ TEST(FullyShard, FrozenParametersInAUnitWithTrainableOnesTrainLikeSingleProcess)
 /// One block applied twice (weight sharing): its backward runs twice before it may reduce.
 struct SharedBlockTwiceImpl : torch::nn::Module {
   SharedBlockTwiceImpl()
-      : input(register_module("input", torch::nn::Linear(3, 5))), block(register_module("block", testing::MlpBlock(5, 7))),
+      : input(register_module("input", torch::nn::Linear(3, 5))),
+        block(register_module("block", testing::MlpBlock(5, 7))),
         head(register_module("head", torch::nn::Linear(5, 2))) {}
   torch::Tensor forward(const torch::Tensor& x) {
     auto hidden = fsdp::forward(input, x);
@@ -485,7 +486,8 @@ TEST(FullyShard, AStepWhoseBackwardThrowsDoesNotBreakTheNextStep) {
 /// Ranks take different branches inside one unit (data-dependent parameter use).
 struct RankBranchesImpl : torch::nn::Module {
   RankBranchesImpl()
-      : a(register_module("a", torch::nn::Linear(3, 4))), b(register_module("b", torch::nn::Linear(3, 4))),
+      : a(register_module("a", torch::nn::Linear(3, 4))),
+        b(register_module("b", torch::nn::Linear(3, 4))),
         head(register_module("head", torch::nn::Linear(4, 2))) {}
   torch::Tensor forward(const torch::Tensor& x, int64_t branch) {
     return fsdp::forward(head, torch::relu(branch == 0 ? fsdp::forward(a, x) : fsdp::forward(b, x)));
@@ -496,9 +498,7 @@ TORCH_MODULE(RankBranches);
 
 struct BranchesModelImpl : torch::nn::Module {
   BranchesModelImpl() : inner(register_module("inner", RankBranches())) {}
-  torch::Tensor forward(const torch::Tensor& x, int64_t branch) {
-    return fsdp::forward(inner, x * scale, branch);
-  }
+  torch::Tensor forward(const torch::Tensor& x, int64_t branch) { return fsdp::forward(inner, x * scale, branch); }
   RankBranches inner;
   torch::Tensor scale = register_parameter("scale", torch::ones({3}));
 };
@@ -514,8 +514,8 @@ TEST(FullyShard, RanksUsingDifferentParametersOfAUnitAgreeOnTheCollectives) {
     // Single process: the average of what each rank computed.
     torch::Tensor reference_loss = torch::zeros({});
     for (int64_t rank = 0; rank < 2; ++rank) {
-      reference_loss = reference_loss + mse(reference->forward(inputs.narrow(0, rank * 6, 6), rank),
-                                            targets.narrow(0, rank * 6, 6)) / 2;
+      reference_loss = reference_loss +
+                       mse(reference->forward(inputs.narrow(0, rank * 6, 6), rank), targets.narrow(0, rank * 6, 6)) / 2;
     }
     reference_loss.backward();
     testing::expect_sharded_gradients_match(*sharded, *reference, "different branches");
@@ -544,7 +544,9 @@ void expect_mixed_precision_trains(c10::ScalarType param_dtype) {
   });
 }
 
-TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) { expect_mixed_precision_trains(torch::kBFloat16); }
+TEST(FullyShard, MixedPrecisionComputesInBfloat16AndKeepsFp32Shards) {
+  expect_mixed_precision_trains(torch::kBFloat16);
+}
 
 // libtorch 2.x multiplies fp16 matrices on CPU (1.13 had no addmm for Half).
 TEST(FullyShard, MixedPrecisionComputesInFloat16AndKeepsFp32Shards) { expect_mixed_precision_trains(torch::kHalf); }
@@ -609,7 +611,8 @@ TEST(FullyShard, ErrorsNameTheRankAndUnitsByModulePath) {
     FullyShardOptions options;
     options.mixed_precision.reduce_dtype = torch::kLong;
     message = testing::error_message_of([&] { fully_shard(torch::nn::Linear(2, 2).ptr(), context, options); });
-    EXPECT_EQ(message.rfind(rank + "fully_shard: FullyShardOptions.mixed_precision.reduce_dtype must be a floating", 0), 0u)
+    EXPECT_EQ(message.rfind(rank + "fully_shard: FullyShardOptions.mixed_precision.reduce_dtype must be a floating", 0),
+              0u)
         << message;
   });
 }
@@ -637,9 +640,8 @@ TEST(FullyShard, EachUnitWalksTheTrainingStatesOfAnIteration) {
   EXPECT_EQ(state_of(*model), "FORWARD");
   // A hook on a weight of layer 0 runs inside layer 0's backward, after layer 1 was reduced.
   std::vector<std::string> seen_in_backward;
-  auto hook = model->layers[0]->parameters()[0].register_hook([&](const torch::Tensor&) {
-    seen_in_backward = {state_of(*model->layers[0]), state_of(*model->layers[1])};
-  });
+  auto hook = model->layers[0]->parameters()[0].register_hook(
+      [&](const torch::Tensor&) { seen_in_backward = {state_of(*model->layers[0]), state_of(*model->layers[1])}; });
   loss.backward();
   model->layers[0]->parameters()[0].remove_hook(hook);
   EXPECT_EQ(seen_in_backward, (std::vector<std::string>{"PRE_BACKWARD", "POST_BACKWARD"}));
@@ -681,9 +683,12 @@ TEST(FullyShard, SyncModuleStatesWithoutValuesOnRankZeroIsAnErrorOnEveryRank) {
     FullyShardOptions options;
     options.sync_module_states = true;
     const auto message = testing::error_message_of([&] { fully_shard(model->layers[0].ptr(), context, options); });
-    EXPECT_EQ(message.rfind("[rank " + std::to_string(context.rank()) + "] fully_shard(sync_module_states): parameter '", 0), 0u)
+    EXPECT_EQ(
+        message.rfind("[rank " + std::to_string(context.rank()) + "] fully_shard(sync_module_states): parameter '", 0),
+        0u)
         << message;
-    EXPECT_NE(message.find("holds no values on rank 0, the source of sync_module_states"), std::string::npos) << message;
+    EXPECT_NE(message.find("holds no values on rank 0, the source of sync_module_states"), std::string::npos)
+        << message;
   });
 }
 
@@ -731,7 +736,8 @@ TEST(FullyShard, GradientsAccumulateAcrossBackwardsWithoutZeroGradScalarsInclude
         auto full = expected->grad().reshape({-1}) / context.world_size();
         auto mine = parameter.parameter.grad().reshape({-1});
         auto rows = full.narrow(0, parameter.layout.element_offset(), parameter.layout.numel_owned);
-        EXPECT_TRUE(torch::allclose(mine, rows, 1e-5, 1e-6)) << parameter.name << " on " << context.world_size() << " ranks";
+        EXPECT_TRUE(torch::allclose(mine, rows, 1e-5, 1e-6))
+            << parameter.name << " on " << context.world_size() << " ranks";
         EXPECT_EQ(parameter.parameter.grad().sizes(), parameter.parameter.sizes()) << parameter.name;
       }
     });

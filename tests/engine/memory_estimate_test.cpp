@@ -1,10 +1,9 @@
 // The estimate's arithmetic on shapes whose figures can be written down by hand (Note [estimating
 // memory per rank], include/fsdp/memory_estimate.h); tests/cli/estimate_command_test.cpp checks
 // it against the engine's counters.
-#include <gtest/gtest.h>
-
 #include <fsdp/memory_estimate.h>
 #include <fsdp/meta_device.h>
+#include <gtest/gtest.h>
 
 #include "harness/error_message.h"
 

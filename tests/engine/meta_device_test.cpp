@@ -1,13 +1,12 @@
 // MetaDeviceGuard, to_empty, reset_parameters and release_parameter_storage (include/fsdp/meta_device.h)
 // in one process: a model built under the guard holds no memory, becomes real in place without
 // losing its identity, and its modules' initializers give what their constructors give.
+#include <fsdp/meta_device.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
 #include <string>
-
-#include <fsdp/meta_device.h>
 
 #include "harness/error_message.h"
 
@@ -111,7 +110,8 @@ TEST(MetaDevice, ResetParametersGivesWhatTheConstructorGives) {
 }
 
 struct OwnInitImpl : torch::nn::Module, ResetParameters {
-  OwnInitImpl() : scale(register_parameter("scale", torch::empty({3}))), offsets(register_buffer("offsets", torch::empty({2}))) {
+  OwnInitImpl()
+      : scale(register_parameter("scale", torch::empty({3}))), offsets(register_buffer("offsets", torch::empty({2}))) {
     reset_parameters();
   }
   void reset_parameters() override {

@@ -3,14 +3,13 @@
 // against PyTorch FSDP1 itself, tests/python/fsdp1_meta_init.py), sync_module_states sends rank 0's
 // initialization to ranks that never allocated a full model, and a rank's peak resident memory stays
 // near its shards.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
 #include <map>
 #include <string>
-
-#include <fsdp/fsdp.h>
 
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
@@ -38,7 +37,8 @@ torch::nn::ModuleList build_on_meta() {
 }
 
 // FSDP1's auto-wrap order for ModuleWrapPolicy({Block}): each Block, then the root.
-void shard_like_fsdp1(torch::nn::ModuleList& model, const DistributedContext& context, const FullyShardOptions& options) {
+void shard_like_fsdp1(torch::nn::ModuleList& model, const DistributedContext& context,
+                      const FullyShardOptions& options) {
   fully_shard(model[1], context, options);
   fully_shard(model[2], context, options);
   fully_shard(model.ptr(), context, options);
@@ -102,7 +102,8 @@ TEST_P(MetaInitLikeFsdp1, FullStateDictEqualsPyTorchFsdp1) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Meta, MetaInitLikeFsdp1,
-                         ::testing::Values(std::make_tuple(2, false), std::make_tuple(2, true), std::make_tuple(3, false)),
+                         ::testing::Values(std::make_tuple(2, false), std::make_tuple(2, true),
+                                           std::make_tuple(3, false)),
                          [](const ::testing::TestParamInfo<std::tuple<int, bool>>& info) {
                            return std::to_string(std::get<0>(info.param)) + "ranks" +
                                   (std::get<1>(info.param) ? "_ParamInitFn" : "_ResetParameters");
@@ -128,7 +129,9 @@ TEST(MetaInit, SyncModuleStatesGivesEveryRankRankZerosInitialization) {
 }
 
 struct NoInitializerImpl : torch::nn::Module {
-  NoInitializerImpl() : inner(register_module("inner", torch::nn::Linear(2, 2))), scale(register_parameter("scale", torch::ones({2}))) {}
+  NoInitializerImpl()
+      : inner(register_module("inner", torch::nn::Linear(2, 2))),
+        scale(register_parameter("scale", torch::ones({2}))) {}
   torch::nn::Linear inner;
   torch::Tensor scale;
 };
@@ -142,10 +145,12 @@ TEST(MetaInit, AModuleWithoutInitializerIsAnErrorNamingIt) {
       model = torch::nn::ModuleList(NoInitializer());
     }
     const auto message = testing::error_message_of([&] { fully_shard(model.ptr(), context); });
-    EXPECT_EQ(message.rfind("[rank " + std::to_string(context.rank()) + "] fully_shard: module '0' (", 0), 0u) << message;
-    EXPECT_NE(message.find("NoInitializerImpl) of the unit on torch::nn::ModuleListImpl has parameters or buffers on the "
-                           "meta device and no initializer of its own. Implement fsdp::ResetParameters"),
-              std::string::npos)
+    EXPECT_EQ(message.rfind("[rank " + std::to_string(context.rank()) + "] fully_shard: module '0' (", 0), 0u)
+        << message;
+    EXPECT_NE(
+        message.find("NoInitializerImpl) of the unit on torch::nn::ModuleListImpl has parameters or buffers on the "
+                     "meta device and no initializer of its own. Implement fsdp::ResetParameters"),
+        std::string::npos)
         << message;
   });
 }
@@ -157,7 +162,9 @@ TEST(MetaInit, AModuleWithoutInitializerIsAnErrorNamingIt) {
 // model. Measured (bench/README.md): 80 MiB (64 MiB of shards + one 16 MiB block) on the meta device
 // against 258 MiB built for real, on every rank. The bounds below leave room for the allocator.
 struct WideBlockImpl : torch::nn::Module {
-  WideBlockImpl() : up(register_module("up", torch::nn::Linear(1024, 2048))), down(register_module("down", torch::nn::Linear(2048, 1024))) {}
+  WideBlockImpl()
+      : up(register_module("up", torch::nn::Linear(1024, 2048))),
+        down(register_module("down", torch::nn::Linear(2048, 1024))) {}
   torch::nn::Linear up, down;
 };
 TORCH_MODULE(WideBlock);

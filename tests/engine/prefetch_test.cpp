@@ -1,21 +1,19 @@
 // Prefetch (module_state.h, [Note: prefetch]): while a unit computes, the next unit's all-gather is
 // already issued. Observed from inside the units' forward and backward, and checked not to change a
 // single bit of training, including when the sequence of units changes between iterations.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
 #include <functional>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <set>
 
-#include <nlohmann/json.hpp>
-
-#include <fsdp/fsdp.h>
-
 #include "harness/error_message.h"
-#include "harness/parity.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
 #include "harness/python_peer.h"
 
 namespace fsdp {
@@ -88,7 +86,8 @@ void install_probes(ProbeStack& model, const std::vector<FSDPModule>& units, Obs
   for (size_t index = 0; index < model->blocks.size(); ++index) {
     auto& block = model->blocks[index];
     block->on_forward = [&seen, &units, index] {
-      if (index + 1 < units.size()) seen.next_gathered_in_forward[index] = units[index + 1].unsharded_buffer_bytes() > 0;
+      if (index + 1 < units.size())
+        seen.next_gathered_in_forward[index] = units[index + 1].unsharded_buffer_bytes() > 0;
     };
     block->on_backward = [&seen, &units, index] {
       if (index > 0) seen.previous_gathered_in_backward[index] = units[index - 1].unsharded_buffer_bytes() > 0;
@@ -199,7 +198,8 @@ TEST(Prefetch, BackwardPrefetchModesIssueTheAllGatherWhereFsdp1Does) {
 // with a limit of 2 only one of them may gather beside block 0's own all-gather.
 TEST(Prefetch, TheAllGatherLimitBoundsWhatIsInFlight) {
   testing::run_on_ranks(2, [](const DistributedContext& context) {
-    for (const std::optional<int64_t> limit : {std::optional<int64_t>(), std::optional<int64_t>(2), std::optional<int64_t>(3)}) {
+    for (const std::optional<int64_t> limit :
+         {std::optional<int64_t>(), std::optional<int64_t>(2), std::optional<int64_t>(3)}) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
@@ -272,14 +272,17 @@ namespace {
 // BackwardPrefetchModesIssueTheAllGatherWhereFsdp1Does test above checks); NO_PREFETCH differs.
 struct OrderBlockImpl : torch::nn::Module {
   explicit OrderBlockImpl(int64_t k)
-      : up(register_module("up", torch::nn::Linear(8, 8 * k))), down(register_module("down", torch::nn::Linear(8 * k, 8))) {}
+      : up(register_module("up", torch::nn::Linear(8, 8 * k))),
+        down(register_module("down", torch::nn::Linear(8 * k, 8))) {}
   torch::Tensor forward(const torch::Tensor& x) { return x + fsdp::forward(down, torch::relu(fsdp::forward(up, x))); }
   torch::nn::Linear up, down;
 };
 TORCH_MODULE(OrderBlock);
 
 struct OrderModelImpl : torch::nn::Module {
-  OrderModelImpl() : input(register_module("input", torch::nn::Linear(3, 8))), head(register_module("head", torch::nn::Linear(8, 2))) {
+  OrderModelImpl()
+      : input(register_module("input", torch::nn::Linear(3, 8))),
+        head(register_module("head", torch::nn::Linear(8, 2))) {
     auto list = register_module("blocks", torch::nn::ModuleList());
     for (int64_t k = 1; k <= 4; ++k) {
       blocks.emplace_back(k);
@@ -345,7 +348,8 @@ TEST(Prefetch, VersionOneIssuesCollectivesInPyTorchFsdp1sOrder) {
       for (const auto& entry : context.world().stop_trace()) {
         const auto space = entry.find(' ');
         const auto kind = entry.substr(0, space);
-        if (kind == "all_gather" || kind == "reduce_scatter") events.push_back({kind, std::stoll(entry.substr(space + 1))});
+        if (kind == "all_gather" || kind == "reduce_scatter")
+          events.push_back({kind, std::stoll(entry.substr(space + 1))});
       }
       ours[name] = events;
     }
@@ -362,7 +366,8 @@ TEST(Prefetch, VersionOneIssuesCollectivesInPyTorchFsdp1sOrder) {
       return by_size_rank(list);
     };
     const auto expected = tokens(theirs[name]);
-    ASSERT_EQ(expected.size(), 14u) << name << ": FSDP1 gathers the 5 units in forward, 4 again in backward, and reduces 5";
+    ASSERT_EQ(expected.size(), 14u) << name
+                                    << ": FSDP1 gathers the 5 units in forward, 4 again in backward, and reduces 5";
     EXPECT_EQ(tokens(ours[name]), expected) << name;
   }
 }

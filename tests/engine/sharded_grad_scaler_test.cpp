@@ -3,16 +3,14 @@
 // time, a parameter without a gradient on one rank, fp16 and fp32 gradients), the same SGD: the
 // scaled losses, the scale and growth tracker after every update, the unscaled gradients and the
 // parameters after every step must be equal bitwise. Also the errors for calls out of order.
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <fstream>
 #include <limits>
 #include <map>
-
 #include <nlohmann/json.hpp>
-
-#include <fsdp/fsdp.h>
 
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"

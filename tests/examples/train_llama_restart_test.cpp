@@ -63,12 +63,13 @@ class TrainLlamaRestart : public ::testing::Test {
   void TearDown() override { fs::remove_all(root_); }
 
   std::string command(const fs::path& directory, bool async) const {
-    return "timeout 240 " + std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 --max-restarts 3 " +
-           "--termination-grace 1 -- " + FSDP_TRAIN_LLAMA_PATH + " --output-dir " + directory.string() + " --data " +
-           (root_ / "train.txt").string() + " --steps " + std::to_string(kSteps) +
+    return "timeout 240 " + std::string(FSDP_CLI_PATH) +
+           " launch --nproc-per-node 2 --master-port 0 --max-restarts 3 " + "--termination-grace 1 -- " +
+           FSDP_TRAIN_LLAMA_PATH + " --output-dir " + directory.string() + " --data " + (root_ / "train.txt").string() +
+           " --steps " + std::to_string(kSteps) +
            " --seq-len 32 --global-batch-size 6 --eval-every 0 --eval-tokens 256 --sample-bytes 4 --warmup-steps 2 "
-           "--checkpoint-every " + std::to_string(kCheckpointEvery) + " --total-limit 1" +
-           (async ? " --async-checkpoint" : "");
+           "--checkpoint-every " +
+           std::to_string(kCheckpointEvery) + " --total-limit 1" + (async ? " --async-checkpoint" : "");
   }
 
   fs::path root_;
@@ -86,8 +87,8 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
   const auto reference_async = root_ / "reference_async";
   result = run_command(command(reference_async, true));
   ASSERT_EQ(result.exit_code, 0) << result.output;
-  EXPECT_NE(result.output.find("asynchronous checkpoint " + (reference_async / "checkpoints" / "checkpoint_0").string() +
-                               ": staged "),
+  EXPECT_NE(result.output.find("asynchronous checkpoint " +
+                               (reference_async / "checkpoints" / "checkpoint_0").string() + ": staged "),
             std::string::npos)
       << result.output;
   EXPECT_EQ(fsdp::testing::file_bytes(reference_async / "final" / "model.safetensors"), expected) << result.output;
@@ -108,8 +109,8 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
     const int rank = static_cast<int>(random() % 2);
     const int after_steps = 1 + static_cast<int>(random() % (kSteps - 2));
     const auto delay = std::chrono::milliseconds(random() % 60);
-    SCOPED_TRACE(std::string(async ? "asynchronous" : "synchronous") + " checkpoints, trial " + std::to_string(trial / 2) +
-                 ": SIGKILL to rank " + std::to_string(rank) + " after " +
+    SCOPED_TRACE(std::string(async ? "asynchronous" : "synchronous") + " checkpoints, trial " +
+                 std::to_string(trial / 2) + ": SIGKILL to rank " + std::to_string(rank) + " after " +
                  std::to_string(after_steps) + " logged steps and " + std::to_string(delay.count()) + " ms");
     const auto directory = root_ / ("trial_" + std::to_string(trial));
     fsdp::testing::CommandResult run;
@@ -152,7 +153,9 @@ TEST_F(TrainLlamaRestart, AKilledRankIsRestartedAndTheRunEndsWithTheWeightsOfOne
       EXPECT_GE(step, after_steps - (async ? 2 : 1) * kCheckpointEvery - 1) << run.output;
       EXPECT_EQ(step % kCheckpointEvery, 0) << run.output;
     }
-    EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected) << "the final weights differ\n" << run.output;
+    EXPECT_EQ(fsdp::testing::file_bytes(directory / "final" / "model.safetensors"), expected)
+        << "the final weights differ\n"
+        << run.output;
     EXPECT_EQ(logged_steps(directory), kSteps) << "metrics.jsonl keeps one line a step";
   }
   // Kills land after 1 to 6 of the 8 steps: nearly every trial restarts, or the test proves little.

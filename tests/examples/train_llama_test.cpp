@@ -2,18 +2,16 @@
 // the merged weights in one process; the same run on 1 and 3 ranks.
 #include <gtest/gtest.h>
 
-#include <regex>
-#include <tuple>
-
-#include <nlohmann/json.hpp>
-
-#include "harness/python_peer.h"
-#include "harness/run_command.h"
-
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
+#include <regex>
 #include <sstream>
+#include <tuple>
+
+#include "harness/python_peer.h"
+#include "harness/run_command.h"
 
 namespace {
 
@@ -68,7 +66,8 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
   const auto reference = metrics_of(uninterrupted);
   ASSERT_EQ(reference.size(), 6u);
   EXPECT_LT(reference.back()["loss"].get<double>(), reference.front()["loss"].get<double>()) << "it must learn";
-  for (const char* field : {"step", "loss", "lr", "tokens_per_s", "peak_rss_mb"}) EXPECT_TRUE(reference[0].contains(field));
+  for (const char* field : {"step", "loss", "lr", "tokens_per_s", "peak_rss_mb"})
+    EXPECT_TRUE(reference[0].contains(field));
   const double trained_eval = reported_eval_loss(result.output);
   ASSERT_GT(trained_eval, 0) << result.output;
   for (const char* file : {"loss.svg", "final/model.safetensors", "final/config.json", "final/sample.txt"}) {
@@ -102,11 +101,12 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
   for (const auto& item : fs::directory_iterator(resumed + "/checkpoints")) {
     if (latest.empty() || item.path().string() > latest) latest = item.path().string();
   }
-  result = run_command(std::string(FSDP_CLI_PATH) + " merge-weights " + latest + "/pytorch_model_fsdp_0 " + resumed + "/merged");
+  result = run_command(std::string(FSDP_CLI_PATH) + " merge-weights " + latest + "/pytorch_model_fsdp_0 " + resumed +
+                       "/merged");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   fs::copy_file(resumed + "/final/config.json", resumed + "/merged/config.json");
   result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + resumed + "/merged --data " +
-               (root_ / "eval.txt").string() + " --seq-len 32 --eval-tokens 2048");
+                       (root_ / "eval.txt").string() + " --seq-len 32 --eval-tokens 2048");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NEAR(reported_eval_loss(result.output), trained_eval, 1e-5 * trained_eval) << result.output;
 
@@ -119,7 +119,8 @@ TEST_F(TrainLlama, ResumesExactlyMergesAndAgreesAcrossWorldSizes) {
     ASSERT_EQ(losses.size(), reference.size());
     for (size_t step = 0; step < losses.size(); ++step) {
       const double expected = reference[step]["loss"].get<double>();
-      EXPECT_NEAR(losses[step]["loss"].get<double>(), expected, 1e-5 * expected) << ranks << " ranks, step " << step + 1;
+      EXPECT_NEAR(losses[step]["loss"].get<double>(), expected, 1e-5 * expected)
+          << ranks << " ranks, step " << step + 1;
     }
   }
 }
@@ -144,7 +145,8 @@ TEST_F(TrainLlama, ResumesFromAnAccelerateCheckpointWithPyTorchsLosses) {
       " --steps 6 --seq-len 32 --global-batch-size 4 --micro-batch-size 1 --lr 3e-3 --min-lr 3e-4 --warmup-steps 2 "
       "--weight-decay 0.1 --max-grad-norm 1.0 --seed 1234 --eval-every 0 --eval-tokens 256 --sample-bytes 8");
   ASSERT_EQ(result.exit_code, 0) << result.output;
-  EXPECT_NE(result.output.find("was written by Accelerate; resumed at optimizer step 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("was written by Accelerate; resumed at optimizer step 3"), std::string::npos)
+      << result.output;
   EXPECT_NE(result.output.find("resumed from " + run + "/checkpoints/checkpoint_0 at step 3"), std::string::npos)
       << result.output;
   const auto metrics = metrics_of(run);
@@ -183,7 +185,8 @@ TEST_F(TrainLlama, MetaInitBuildsOnTheMetaDeviceOnEveryRankTrainsAndStreamsPretr
   result = run_command(train_command(2, whole, init));
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_EQ(metrics_of(streamed).at(0)["loss"].get<double>(), metrics_of(whole).at(0)["loss"].get<double>());
-  EXPECT_LT(metrics_of(streamed).at(0)["loss"].get<double>(), metrics.front()["loss"].get<double>()) << "trained weights";
+  EXPECT_LT(metrics_of(streamed).at(0)["loss"].get<double>(), metrics.front()["loss"].get<double>())
+      << "trained weights";
   // Weights of another shape than config.json says are named, not loaded.
   fs::copy(directory + "/final", root_ / "other_shape");
   nlohmann::json other;
@@ -202,9 +205,10 @@ TEST_F(TrainLlama, RanksStartedWithOtherFlagsOrDataAreANamedError) {
     for (int index = 0; index < 300; ++index) other << "Another text " << index << " that only rank 1 reads. ";
   }
   const auto command = std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- sh -c '" +
-                       "if [ \"$RANK\" = 1 ]; then data=" + (root_ / "other.txt").string() + "; else data=" +
-                       (root_ / "train.txt").string() + "; fi; exec " + FSDP_TRAIN_LLAMA_PATH + " --output-dir " +
-                       (root_ / "disagree").string() + " --data $data --steps $((4 + RANK)) --seq-len 32" +
+                       "if [ \"$RANK\" = 1 ]; then data=" + (root_ / "other.txt").string() +
+                       "; else data=" + (root_ / "train.txt").string() + "; fi; exec " + FSDP_TRAIN_LLAMA_PATH +
+                       " --output-dir " + (root_ / "disagree").string() +
+                       " --data $data --steps $((4 + RANK)) --seq-len 32" +
                        " --global-batch-size 4 --eval-every 0 --sample-bytes 8'";
   const auto result = run_command(command);
   EXPECT_NE(result.exit_code, 0) << result.output;
@@ -223,8 +227,9 @@ TEST_F(TrainLlama, ANonFiniteLossStopsTheRunNamingTheStep) {
   const auto directory = (root_ / "nan").string();
   auto result = run_command(train_command(2, directory, "--lr 1e30 --checkpoint-every 1"));
   EXPECT_NE(result.exit_code, 0) << result.output;
-  const std::regex stopped("step ([0-9]+): the training loss is [^ ]+ and the gradient norm [^ ;]+; training stopped "
-                           "before this optimizer step, so the weights are those of step ([0-9]+)");
+  const std::regex stopped(
+      "step ([0-9]+): the training loss is [^ ]+ and the gradient norm [^ ;]+; training stopped "
+      "before this optimizer step, so the weights are those of step ([0-9]+)");
   std::smatch match;
   ASSERT_TRUE(std::regex_search(result.output, match, stopped)) << result.output;
   const int step = std::stoi(match[1].str());
@@ -245,12 +250,12 @@ TEST_F(TrainLlama, ANonFiniteLossStopsTheRunNamingTheStep) {
 // timeout (--seq-len) or training to a wrong result with exit 0 (--seed, --global-batch-size) when
 // one rank had another value is named with both values before any data collective.
 TEST_F(TrainLlama, EachFlagOneRankHasOtherwiseIsNamed) {
-  for (const auto& [flag, rank0, rank1] : std::vector<std::tuple<std::string, std::string, std::string>>{
-           {"--preset", "tiny", "small"},
-           {"--checkpoint-every", "2", "3"},
-           {"--seq-len", "32", "64"},
-           {"--seed", "1", "2"},
-           {"--global-batch-size", "4", "8"}}) {
+  for (const auto& [flag, rank0, rank1] :
+       std::vector<std::tuple<std::string, std::string, std::string>>{{"--preset", "tiny", "small"},
+                                                                      {"--checkpoint-every", "2", "3"},
+                                                                      {"--seq-len", "32", "64"},
+                                                                      {"--seed", "1", "2"},
+                                                                      {"--global-batch-size", "4", "8"}}) {
     const auto command = std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- sh -c '" +
                          "if [ \"$RANK\" = 1 ]; then value=" + rank1 + "; else value=" + rank0 + "; fi; exec " +
                          FSDP_TRAIN_LLAMA_PATH + " --output-dir " + (root_ / "flags").string() + " --data " +
@@ -258,24 +263,31 @@ TEST_F(TrainLlama, EachFlagOneRankHasOtherwiseIsNamed) {
                          " $value'";
     const auto result = run_command(command);
     EXPECT_NE(result.exit_code, 0) << flag << ": " << result.output;
-    EXPECT_NE(result.output.find("the ranks disagree: '" + flag + "' is "), std::string::npos) << flag << ": " << result.output;
+    EXPECT_NE(result.output.find("the ranks disagree: '" + flag + "' is "), std::string::npos)
+        << flag << ": " << result.output;
     EXPECT_NE(result.output.find(rank0 + " on rank 0"), std::string::npos) << flag << ": " << result.output;
     EXPECT_NE(result.output.find(rank1 + " on rank 1"), std::string::npos) << flag << ": " << result.output;
     EXPECT_EQ(result.output.find("EnforceNotMet"), std::string::npos) << flag << ": " << result.output;
   }
   // A flag without a value, given on one rank only.
-  const auto result = run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- sh -c '" +
-                                  "if [ \"$RANK\" = 1 ]; then extra=--meta-init; fi; exec " + FSDP_TRAIN_LLAMA_PATH +
-                                  " --output-dir " + (root_ / "flags").string() + " --data " + (root_ / "train.txt").string() +
-                                  " --steps 4 --eval-every 0 --sample-bytes 8 $extra'");
-  EXPECT_NE(result.output.find("the ranks disagree: '--meta-init' is false on rank 0 and true on rank 1"), std::string::npos)
+  const auto result =
+      run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- sh -c '" +
+                  "if [ \"$RANK\" = 1 ]; then extra=--meta-init; fi; exec " + FSDP_TRAIN_LLAMA_PATH + " --output-dir " +
+                  (root_ / "flags").string() + " --data " + (root_ / "train.txt").string() +
+                  " --steps 4 --eval-every 0 --sample-bytes 8 $extra'");
+  EXPECT_NE(result.output.find("the ranks disagree: '--meta-init' is false on rank 0 and true on rank 1"),
+            std::string::npos)
       << result.output;
 }
 
 TEST_F(TrainLlama, BadFlagsAreErrors) {
-  auto result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
+  auto result =
+      run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --preset enormous --output-dir " + (root_ / "x").string());
   EXPECT_EQ(result.exit_code, 2) << result.output;
-  EXPECT_NE(result.output.find("unknown model preset 'enormous'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b"), std::string::npos)
+  EXPECT_NE(
+      result.output.find(
+          "unknown model preset 'enormous'; choose tiny, small, medium, large, llama3-1b, llama3-8b or llama3-70b"),
+      std::string::npos)
       << result.output;
   result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only");
   EXPECT_EQ(result.exit_code, 1);
@@ -298,9 +310,11 @@ TEST_F(TrainLlama, BadFlagsAreErrors) {
   }
   EXPECT_FALSE(std::filesystem::exists(root_ / "y")) << "a refused run writes nothing";
   // A directory as --data used to say it "has 0 bytes".
-  result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --data " + root_.string() + " --output-dir " + (root_ / "z").string());
+  result = run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --data " + root_.string() + " --output-dir " +
+                       (root_ / "z").string());
   EXPECT_EQ(result.exit_code, 1) << result.output;
-  EXPECT_NE(result.output.find("data file '" + root_.string() + "' is a directory; --data and --eval-data take one text file"),
+  EXPECT_NE(result.output.find("data file '" + root_.string() +
+                               "' is a directory; --data and --eval-data take one text file"),
             std::string::npos)
       << result.output;
 }

@@ -4,22 +4,21 @@
 // process sees fewer GPUs than it needs (or the build has no GPU path); scripts/gpu-check.sh runs
 // them on a GPU machine. Training parity with PyTorch FSDP2 on GPUs is GpuCases/Fsdp2Parity in
 // tests/engine/fsdp2_parity_test.cpp.
+#include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
-
-#include <fsdp/fsdp.h>
-#include <fsdp/models/llama.h>
 
 #include "harness/multi_rank.h"
 
 namespace fsdp {
 namespace {
 
-#define SKIP_WITHOUT_GPUS(count)                                                                               \
-  if (cuda_device_count() < (count)) {                                                                         \
-    GTEST_SKIP() << "needs " << (count) << " GPU(s); this process sees " << cuda_device_count()               \
+#define SKIP_WITHOUT_GPUS(count)                                                                                  \
+  if (cuda_device_count() < (count)) {                                                                            \
+    GTEST_SKIP() << "needs " << (count) << " GPU(s); this process sees " << cuda_device_count()                   \
                  << (built_with_cuda() ? "" : " (this build has no GPU path: build it against a CUDA libtorch)"); \
   }
 
@@ -46,8 +45,8 @@ TEST(GpuCollectives, NcclMovesTheValuesAndBytesTheCountersSay) {
       auto output = torch::empty({3 * n}, options.dtype(dtype));
       all_gather(group, output, input);
       for (int64_t peer = 0; peer < n; ++peer) {
-        EXPECT_TRUE(torch::equal(output.narrow(0, 3 * peer, 3).cpu(),
-                                 (torch::arange(3, torch::kFloat) * 0.5 + peer).to(dtype)))
+        EXPECT_TRUE(
+            torch::equal(output.narrow(0, 3 * peer, 3).cpu(), (torch::arange(3, torch::kFloat) * 0.5 + peer).to(dtype)))
             << "all_gather of " << dtype << ": rank " << peer << "'s part";
       }
     }
@@ -182,7 +181,8 @@ TEST(GpuEngine, TrainsTheLlamaOnTheGpuAsOnTheCpu) {
     bf16_gpu.bf16 = true;
     RunOptions bf16_cpu{c10::kCPU};
     bf16_cpu.bf16 = true;
-    expect_close(train_llama(context, bf16_gpu), train_llama(context, bf16_cpu), 3e-2, "bf16 on cuda:0 against the CPU");
+    expect_close(train_llama(context, bf16_gpu), train_llama(context, bf16_cpu), 3e-2,
+                 "bf16 on cuda:0 against the CPU");
   });
 }
 

@@ -1,16 +1,16 @@
 #include "harness/multi_rank.h"
 
-#include "launch/launcher.h"
-#include "launch/process_set.h"
-
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <set>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <set>
 #include <sstream>
+
+#include "launch/launcher.h"
+#include "launch/process_set.h"
 
 namespace fsdp::testing {
 namespace {
@@ -74,8 +74,8 @@ bool is_rank_process() { return std::getenv(kRankVariable) != nullptr; }
 
 LoopbackJobResult run_loopback_job(int world_size, const LoopbackJob& job) {
   const int port = detail::pick_free_port();
-  const auto log_directory = std::filesystem::temp_directory_path() /
-                             ("fsdp_test_" + std::to_string(::getpid()) + "_" + std::to_string(port));
+  const auto log_directory =
+      std::filesystem::temp_directory_path() / ("fsdp_test_" + std::to_string(::getpid()) + "_" + std::to_string(port));
   std::filesystem::create_directories(log_directory);
 
   std::vector<detail::ProcessSpec> specs;
@@ -156,8 +156,7 @@ void run_processes(int world_size, const std::function<void(int rank)>& body, co
 
 void run_on_ranks(int world_size, const std::function<void(const DistributedContext&)>& body,
                   const MultiRankOptions& options) {
-  run_processes(
-      world_size, [&](int) { body(DistributedContext::initialize_from_environment()); }, options);
+  run_processes(world_size, [&](int) { body(DistributedContext::initialize_from_environment()); }, options);
 }
 
 }  // namespace fsdp::testing

@@ -8,13 +8,13 @@
 // `timeout`, and every rank's output is attached to the failure.
 #pragma once
 
+#include <fsdp/process_group.h>
+
 #include <chrono>
 #include <functional>
 #include <map>
 #include <string>
 #include <vector>
-
-#include <fsdp/process_group.h>
 
 namespace fsdp::testing {
 

@@ -1,14 +1,13 @@
 // Helpers for comparing FSDP training with single-process training of the same model.
 #pragma once
 
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <string>
 #include <unordered_set>
 #include <vector>
-
-#include <fsdp/fsdp.h>
 
 namespace fsdp::testing {
 

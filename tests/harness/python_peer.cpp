@@ -1,23 +1,23 @@
 #include "harness/python_peer.h"
 
-#include "harness/multi_rank.h"
-
 #include <gtest/gtest.h>
+#include <unistd.h>
 
 #include <filesystem>
 #include <stdexcept>
-#include <unistd.h>
+
+#include "harness/multi_rank.h"
 
 namespace fsdp::testing {
 
 std::string venv_python() {
   const std::string python = FSDP_TEST_PYTHON;
   if (python.empty() || ::access(python.c_str(), X_OK) != 0) {
-    throw std::runtime_error("the cross-checks need the project venv's Python, but this build has " +
-                             (python.empty() ? std::string("none configured")
-                                             : "FSDP_TEST_PYTHON=" + python + ", which is not executable") +
-                             ". Fix: run scripts/setup.sh (it creates .venv/ and configures "
-                             "-DFSDP_TEST_PYTHON=<venv>/bin/python).");
+    throw std::runtime_error(
+        "the cross-checks need the project venv's Python, but this build has " +
+        (python.empty() ? std::string("none configured") : "FSDP_TEST_PYTHON=" + python + ", which is not executable") +
+        ". Fix: run scripts/setup.sh (it creates .venv/ and configures "
+        "-DFSDP_TEST_PYTHON=<venv>/bin/python).");
   }
   return python;
 }

@@ -4,8 +4,8 @@
 // The same rules as the multi-rank harness, through its run_loopback_job (multi_rank.h):
 // `world_size` real processes with torchrun's variables and a free MASTER_PORT, so parallel tests
 // never share a port, one thread each, and a watchdog: the first failing process stops the others, a
-// hang is killed after `timeout`, and every process's output is attached to the failure. The Python is the venv's (FSDP_TEST_PYTHON, set by scripts/setup.sh);
-// scripts live in tests/python/.
+// hang is killed after `timeout`, and every process's output is attached to the failure. The Python is the venv's
+// (FSDP_TEST_PYTHON, set by scripts/setup.sh); scripts live in tests/python/.
 #pragma once
 
 #include <chrono>

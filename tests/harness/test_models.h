@@ -3,14 +3,13 @@
 // nothing). Submodules are called through fsdp::forward, so any of them can be made a unit.
 #pragma once
 
+#include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <fsdp/fsdp.h>
 
 namespace fsdp::testing {
 
@@ -118,8 +117,8 @@ struct TinyTransformerImpl : torch::nn::Module, fsdp::PretrainedModel {
   explicit TinyTransformerImpl(bool tied = true, int64_t vocabulary = 11, int64_t width = 6, int64_t depth = 2)
       : embed_tokens(register_module("embed_tokens", torch::nn::Embedding(vocabulary, width))),
         norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({width})))),
-        lm_head(register_module("lm_head", TiedHead(tied ? embed_tokens->weight
-                                                         : torch::randn({vocabulary, width}) * 0.3))) {
+        lm_head(register_module("lm_head",
+                                TiedHead(tied ? embed_tokens->weight : torch::randn({vocabulary, width}) * 0.3))) {
     for (int64_t index = 0; index < depth; ++index) {
       layers.push_back(register_module("layers_" + std::to_string(index), TransformerBlock(width)));
     }

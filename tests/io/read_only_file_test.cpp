@@ -1,5 +1,9 @@
 // Note [reading untrusted files]: one test per policy of the one type every reader opens files with,
 // and one through a public reader, to show the policy reaches it.
+#include "io/read_only_file.h"
+
+#include <fsdp/safetensors.h>
+#include <fsdp/torch_file.h>
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -7,11 +11,7 @@
 #include <filesystem>
 #include <fstream>
 
-#include <fsdp/safetensors.h>
-#include <fsdp/torch_file.h>
-
 #include "harness/error_message.h"
-#include "io/read_only_file.h"
 
 namespace fsdp::detail {
 namespace {
@@ -53,7 +53,8 @@ TEST_F(ReadOnlyFileTest, AFifoIsRefusedWithoutWaitingForAWriter) {
   ASSERT_EQ(::mkfifo(path("fifo").c_str(), 0600), 0);
   const auto message = testing::error_message_of([&] { ReadOnlyFile(path("fifo"), 100, "test file", "give a file"); });
   EXPECT_NE(message.find("test file '" + path("fifo") + "' is not a regular file (it is a FIFO); give a file"),
-            std::string::npos) << message;
+            std::string::npos)
+      << message;
 }
 
 TEST_F(ReadOnlyFileTest, ADirectoryIsRefused) {
@@ -72,10 +73,13 @@ TEST_F(ReadOnlyFileTest, ALoopOfSymbolicLinksIsNamedAndALinkToAFileIsFollowed) {
 
 TEST_F(ReadOnlyFileTest, AFileOverTheCallersBoundIsRefusedBeforeItIsRead) {
   const auto file_path = write("large", std::string(101, 'x'));
-  const auto message = testing::error_message_of([&] { ReadOnlyFile(file_path, 100, "test file", "give a smaller one"); });
-  EXPECT_NE(message.find("has 101 bytes, more than the 100 a test file can have: it is refused before anything is read; "
-                         "give a smaller one"),
-            std::string::npos) << message;
+  const auto message =
+      testing::error_message_of([&] { ReadOnlyFile(file_path, 100, "test file", "give a smaller one"); });
+  EXPECT_NE(
+      message.find("has 101 bytes, more than the 100 a test file can have: it is refused before anything is read; "
+                   "give a smaller one"),
+      std::string::npos)
+      << message;
   EXPECT_EQ(ReadOnlyFile(file_path, 101, "test file").size(), 101u);
 }
 
@@ -92,8 +96,10 @@ TEST_F(ReadOnlyFileTest, AMissingFileIsNamedOrNothingWhereTheCallerAsks) {
   EXPECT_FALSE(ReadOnlyFile::open_if_exists(path("missing"), 100, "test file").has_value());
   EXPECT_TRUE(ReadOnlyFile::open_if_exists(write("there", "x"), 100, "test file").has_value());
   const auto message = testing::error_message_of([&] { ReadOnlyFile(path("missing"), 100, "test file"); });
-  EXPECT_NE(message.find("cannot open test file '" + path("missing") + "': it cannot be read (No such file or directory)"),
-            std::string::npos) << message;
+  EXPECT_NE(
+      message.find("cannot open test file '" + path("missing") + "': it cannot be read (No such file or directory)"),
+      std::string::npos)
+      << message;
 }
 
 // The readers apply the policy: a safetensors file truncated after it was opened, and a FIFO in
@@ -107,7 +113,8 @@ TEST_F(ReadOnlyFileTest, TheReadersApplyIt) {
   EXPECT_NE(message.find("tensor 'weight' rows [0, 64): the file ended after"), std::string::npos) << message;
   ASSERT_EQ(::mkfifo(path("model.bin").c_str(), 0600), 0);
   message = testing::error_message_of([&] { load_torch_file(path("model.bin")); });
-  EXPECT_NE(message.find("torch file '" + path("model.bin") + "' is not a regular file (it is a FIFO)"), std::string::npos)
+  EXPECT_NE(message.find("torch file '" + path("model.bin") + "' is not a regular file (it is a FIFO)"),
+            std::string::npos)
       << message;
 }
 

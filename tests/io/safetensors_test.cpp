@@ -1,3 +1,4 @@
+#include <fsdp/safetensors.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -5,8 +6,6 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
-
-#include <fsdp/safetensors.h>
 
 #include "harness/error_message.h"
 
@@ -21,9 +20,8 @@ std::string with_length(const std::string& header, const std::string& data = "")
 }
 
 std::string parse_error(const std::string& bytes) {
-  return testing::error_message_of([&] {
-    parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "bad.safetensors");
-  });
+  return testing::error_message_of(
+      [&] { parse_safetensors(reinterpret_cast<const uint8_t*>(bytes.data()), bytes.size(), "bad.safetensors"); });
 }
 
 std::string float_bytes(int count) {
@@ -91,9 +89,8 @@ TEST(Safetensors, RoundTripsEveryDtypeThroughAFile) {
   EXPECT_TRUE(torch::equal(reader.rows("tensor.1", 1, 2), tensors[1].second.narrow(0, 1, 2)));
   auto message = testing::error_message_of([&] { reader.tensor("missing"); });
   EXPECT_NE(message.find("has no tensor named 'missing'"), std::string::npos) << message;
-  message = testing::error_message_of([&] {
-    write_safetensors(path, {{"a", tensors[0].second}, {"b", tensors[0].second}});
-  });
+  message =
+      testing::error_message_of([&] { write_safetensors(path, {{"a", tensors[0].second}, {"b", tensors[0].second}}); });
   EXPECT_NE(message.find("share memory"), std::string::npos) << message;
   std::filesystem::remove_all(directory);
 }
@@ -113,17 +110,20 @@ TEST(Safetensors, RejectsMalformedFilesNamingTheProblem) {
       {with_length("{\"\xff\":1}"), "not valid UTF-8"},
       {with_length("{not json}"), "not valid JSON"},
       {with_length("[1,2]"), "must be a JSON object"},
-      {with_length(R"({"a":{"dtype":"F99","shape":[2],"data_offsets":[0,8]}})", std::string(8, '\0')), "unknown dtype 'F99'"},
+      {with_length(R"({"a":{"dtype":"F99","shape":[2],"data_offsets":[0,8]}})", std::string(8, '\0')),
+       "unknown dtype 'F99'"},
       {with_length("{" + good_entry + "," + good_entry + "}", std::string(8, '\0')), "'a' appears twice"},
       {with_length(R"({"a":{"dtype":"F32","shape":[4611686018427387904,8],"data_offsets":[0,8]}})"), "overflows"},
-      {with_length(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
-                   std::string(12, '\0')),
+      {with_length(
+           R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+           std::string(12, '\0')),
        "overlap"},
       {with_length(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", std::string(12, '\0')), "gap"},
       {with_length("{" + good_entry + "}", std::string(12, '\0')), "trailing bytes"},
       {with_length("{" + good_entry + "}", std::string(4, '\0')), "truncated"},
       {with_length(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", std::string(8, '\0')), "need 12 bytes"},
-      {with_length(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,8]}})", std::string(8, '\0')), "not a non-negative integer"},
+      {with_length(R"({"a":{"dtype":"F32","shape":[-1],"data_offsets":[0,8]}})", std::string(8, '\0')),
+       "not a non-negative integer"},
       {with_length(R"({"a":{"dtype":"F32","shape":[2]}})"), "must be an object with dtype, shape and data_offsets"},
       {with_length(R"({"__metadata__":{"x":1}})"), "must be a string"},
   };
@@ -146,8 +146,8 @@ TEST(Safetensors, ReadsSubByteNamesButExplainsTheyCannotBeLoaded) {
 }
 
 TEST(Safetensors, RandomCorruptionIsAnErrorNeverACrash) {
-  const auto valid = serialize_safetensors({{"weight", torch::randn({4, 3})}, {"bias", torch::randn({4})}},
-                                           {{"format", "pt"}});
+  const auto valid =
+      serialize_safetensors({{"weight", torch::randn({4, 3})}, {"bias", torch::randn({4})}}, {{"format", "pt"}});
   std::mt19937 random(1234);
   int rejected = 0;
   for (int trial = 0; trial < 3000; ++trial) {

@@ -1,14 +1,13 @@
 // Tensor files across the language boundary: what fsdp.cpp writes, the venv's safetensors and
 // torch.load read bit for bit, and what they write, fsdp.cpp reads bit for bit, for every dtype both
 // sides support (tests/python/tensor_files.py is the Python half).
+#include <fsdp/safetensors.h>
+#include <fsdp/torch_file.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
 #include <set>
-
-#include <fsdp/safetensors.h>
-#include <fsdp/torch_file.h>
 
 #include "harness/error_message.h"
 #include "harness/python_peer.h"
@@ -19,12 +18,24 @@ namespace {
 // The dtypes of tensor_files.py's SAFETENSORS_DTYPES, by safetensors name.
 const std::vector<std::pair<std::string, c10::ScalarType>>& shared_dtypes() {
   static const std::vector<std::pair<std::string, c10::ScalarType>> dtypes = {
-      {"F64", c10::kDouble},       {"F32", c10::kFloat},           {"F16", c10::kHalf},
-      {"BF16", c10::kBFloat16},    {"I64", c10::kLong},            {"I32", c10::kInt},
-      {"I16", c10::kShort},        {"I8", c10::kChar},             {"U64", c10::kUInt64},
-      {"U32", c10::kUInt32},       {"U16", c10::kUInt16},          {"U8", c10::kByte},
-      {"BOOL", c10::kBool},        {"C64", c10::kComplexFloat},    {"F8_E4M3", c10::kFloat8_e4m3fn},
-      {"F8_E5M2", c10::kFloat8_e5m2}, {"F8_E4M3FNUZ", c10::kFloat8_e4m3fnuz}, {"F8_E5M2FNUZ", c10::kFloat8_e5m2fnuz},
+      {"F64", c10::kDouble},
+      {"F32", c10::kFloat},
+      {"F16", c10::kHalf},
+      {"BF16", c10::kBFloat16},
+      {"I64", c10::kLong},
+      {"I32", c10::kInt},
+      {"I16", c10::kShort},
+      {"I8", c10::kChar},
+      {"U64", c10::kUInt64},
+      {"U32", c10::kUInt32},
+      {"U16", c10::kUInt16},
+      {"U8", c10::kByte},
+      {"BOOL", c10::kBool},
+      {"C64", c10::kComplexFloat},
+      {"F8_E4M3", c10::kFloat8_e4m3fn},
+      {"F8_E5M2", c10::kFloat8_e5m2},
+      {"F8_E4M3FNUZ", c10::kFloat8_e4m3fnuz},
+      {"F8_E5M2FNUZ", c10::kFloat8_e5m2fnuz},
   };
   return dtypes;
 }
@@ -96,8 +107,9 @@ TEST_F(TensorFilesCrossCheck, SafetensorsAndTorchLoadReadOurFiles) {
   EXPECT_NE(python.output[0].find("load_file(ours.safetensors): " + std::to_string(tensors.size()) + " tensors equal"),
             std::string::npos)
       << python.output[0];
-  EXPECT_NE(python.output[0].find("weights_only=True): " + std::to_string(torch_file_tensors.size()) + " tensors equal"),
-            std::string::npos)
+  EXPECT_NE(
+      python.output[0].find("weights_only=True): " + std::to_string(torch_file_tensors.size()) + " tensors equal"),
+      std::string::npos)
       << python.output[0];
 }
 
@@ -118,7 +130,8 @@ TEST_F(TensorFilesCrossCheck, WeReadSafetensorsAndTorchSaveFiles) {
   // model.state_dict() is an OrderedDict, which libtorch 2.13's unpickler cannot build, and float8
   // and uint16/32/64 come through _rebuild_tensor_v3, which it does not know: both are read through
   // the restricted unpickler (Note [torch files through the restricted unpickler]), bit for bit.
-  expect_expected("theirs_ordered.bin", tensor_dict_items(load_torch_file(path("theirs_ordered.bin")), "theirs_ordered.bin"));
+  expect_expected("theirs_ordered.bin",
+                  tensor_dict_items(load_torch_file(path("theirs_ordered.bin")), "theirs_ordered.bin"));
   expect_expected("theirs_all_dtypes.bin",
                   tensor_dict_items(load_torch_file(path("theirs_all_dtypes.bin")), "theirs_all_dtypes.bin"));
   // Writing those dtypes in torch.save's format stays a named error: libtorch's pickler has no v3.

@@ -1,14 +1,12 @@
+#include <caffe2/serialize/inline_container.h>
+#include <fsdp/torch_file.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
-
-#include <caffe2/serialize/inline_container.h>
 
 #include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
-
-#include <fsdp/torch_file.h>
 
 #include "harness/error_message.h"
 
@@ -43,7 +41,10 @@ TEST_F(TorchFile, RoundTripsADictOfTensors) {
 // A pickle written opcode by opcode (protocol 2, as torch.save writes), for the hostile files below.
 struct Pickle {
   std::string bytes = "\x80\x02";
-  Pickle& op(char code) { bytes += code; return *this; }
+  Pickle& op(char code) {
+    bytes += code;
+    return *this;
+  }
   Pickle& global(const std::string& module, const std::string& name) {
     bytes += 'c' + module + '\n' + name + '\n';
     return *this;
@@ -82,7 +83,14 @@ struct Pickle {
   // is read by the restricted path alone.
   Pickle& float_tensor_v3(const std::string& key, uint8_t bytes, uint8_t size) {
     global("torch._utils", "_rebuild_tensor_v3").op('(');
-    op('(').text("storage").global("torch.storage", "UntypedStorage").text(key).text("cpu").small(bytes).op('t').op('Q');
+    op('(')
+        .text("storage")
+        .global("torch.storage", "UntypedStorage")
+        .text(key)
+        .text("cpu")
+        .small(bytes)
+        .op('t')
+        .op('Q');
     small(0).small(size).op('\x85').small(1).op('\x85').op('\x89').ordered_dict().global("torch", "float32");
     return op('t').op('R');
   }
@@ -131,8 +139,8 @@ TEST_F(TorchFile, HostileOrderedDictFilesAreNamedErrors) {
     return testing::error_message_of([&] { load_torch_file(path(name)); });
   };
   // A storage record shorter than its reference says.
-  auto message = error_of("short.bin", dict_of([](Pickle& p) { p.text("w").float_tensor_v3("0", 16, 4); }),
-                     std::string(12, '\0'));
+  auto message =
+      error_of("short.bin", dict_of([](Pickle& p) { p.text("w").float_tensor_v3("0", 16, 4); }), std::string(12, '\0'));
   EXPECT_NE(message.find("has a storage record 'data/0' of 12 bytes where its reference says 16"), std::string::npos)
       << message;
   // A view reaching past its storage.

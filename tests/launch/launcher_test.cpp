@@ -1,20 +1,20 @@
 // `fsdp launch` end to end: the real binary starting real processes.
 #include "launch/launcher.h"
-#include "launch/process_set.h"
-
-#include "harness/python_peer.h"
 
 #include <c10/util/Exception.h>
-#include <torch/version.h>
 #include <gtest/gtest.h>
+#include <torch/version.h>
 
 #include <csignal>
 #include <filesystem>
-#include <map>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <thread>
 #include <tuple>
+
+#include "harness/python_peer.h"
+#include "launch/process_set.h"
 
 namespace fsdp {
 namespace {
@@ -29,9 +29,8 @@ struct CommandResult {
 class LaunchTest : public ::testing::Test {
  protected:
   void SetUp() override {
-    directory_ = fs::temp_directory_path() /
-                 ("fsdp_launch_test_" + std::to_string(::getpid()) + "_" +
-                  ::testing::UnitTest::GetInstance()->current_test_info()->name());
+    directory_ = fs::temp_directory_path() / ("fsdp_launch_test_" + std::to_string(::getpid()) + "_" +
+                                              ::testing::UnitTest::GetInstance()->current_test_info()->name());
     fs::remove_all(directory_);
     fs::create_directories(directory_);
   }
@@ -66,9 +65,10 @@ class LaunchTest : public ::testing::Test {
 };
 
 TEST_F(LaunchTest, SetsTorchrunVariablesForEveryRank) {
-  auto result = run({"launch", "--nproc-per-node", "3", "--master-port", "0", "--", "sh", "-c",
-                     "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $OMP_NUM_THREADS\" > " +
-                         path("rank_") + "$RANK; echo \"$MASTER_PORT\" > " + path("port_") + "$RANK"});
+  auto result =
+      run({"launch", "--nproc-per-node", "3", "--master-port", "0", "--", "sh", "-c",
+           "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $MASTER_ADDR $OMP_NUM_THREADS\" > " +
+               path("rank_") + "$RANK; echo \"$MASTER_PORT\" > " + path("port_") + "$RANK"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
   for (int rank = 0; rank < 3; ++rank) {
     EXPECT_EQ(read(path("rank_" + std::to_string(rank))),
@@ -81,10 +81,10 @@ TEST_F(LaunchTest, SetsTorchrunVariablesForEveryRank) {
 }
 
 TEST_F(LaunchTest, SecondMachineGetsOffsetRanks) {
-  auto result = run({"launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr",
-                     "10.0.0.1", "--master-port", "1234", "--", "sh", "-c",
-                     "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $MASTER_ADDR $MASTER_PORT\" > " + path("rank_") +
-                         "$RANK"});
+  auto result = run(
+      {"launch", "--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1", "--master-addr", "10.0.0.1",
+       "--master-port", "1234", "--", "sh", "-c",
+       "echo \"$RANK $WORLD_SIZE $LOCAL_RANK $GROUP_RANK $MASTER_ADDR $MASTER_PORT\" > " + path("rank_") + "$RANK"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_EQ(read(path("rank_2")), "2 4 0 1 10.0.0.1 1234\n");
   EXPECT_EQ(read(path("rank_3")), "3 4 1 1 10.0.0.1 1234\n");
@@ -113,14 +113,16 @@ TEST_F(LaunchTest, TheRankThatFailedFirstIsNamedAndTheOthersAfterIt) {
 
 TEST_F(LaunchTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
   // Ranks 0 and 2 would sleep for 100 s; rank 1 fails with exit code 3 after they started.
-  const std::string script = "echo $$ > " + path("pid_") + "$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; "
+  const std::string script = "echo $$ > " + path("pid_") +
+                             "$RANK; if [ \"$RANK\" = 1 ]; then sleep 0.5; exit 3; fi; "
                              "exec sleep 100";
   const auto started = std::chrono::steady_clock::now();
-  auto result = run({"launch", "--nproc-per-node", "3", "--master-port", "0", "--termination-grace", "2", "--", "sh",
-                     "-c", script});
+  auto result = run(
+      {"launch", "--nproc-per-node", "3", "--master-port", "0", "--termination-grace", "2", "--", "sh", "-c", script});
   const auto elapsed = std::chrono::steady_clock::now() - started;
   EXPECT_EQ(result.exit_code, 3) << result.output;
-  EXPECT_NE(result.output.find("rank 1 (local rank 1) failed first, with exit code 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 (local rank 1) failed first, with exit code 3"), std::string::npos)
+      << result.output;
   // The sleeps were stopped rather than waited for.
   EXPECT_LT(elapsed, std::chrono::seconds(100));
   for (int rank : {0, 2}) {
@@ -134,17 +136,21 @@ TEST_F(LaunchTest, FailingRankStopsTheOthersAndSetsTheExitCode) {
 // would sleep 100 s; rank 1 fails. The launcher ends after the grace, not after 100 s, and neither
 // rank 0 nor its grandchild is left.
 TEST_F(LaunchTest, ARankIgnoringSigtermIsKilledAfterTheGraceWithItsGrandchildren) {
-  const std::string script =
-      "if [ \"$RANK\" = 1 ]; then while [ ! -s " + path("grandchild") + " ]; do sleep 0.05; done; exit 3; fi; "
-      "trap '' TERM; echo $$ > " + path("rank_0.tmp") + "; mv " + path("rank_0.tmp") + " " + path("rank_0") + "; "
-      "sleep 100 & echo $! > " + path("grandchild.tmp") + "; mv " + path("grandchild.tmp") + " " + path("grandchild") +
-      "; while :; do sleep 0.1; done";
+  const std::string script = "if [ \"$RANK\" = 1 ]; then while [ ! -s " + path("grandchild") +
+                             " ]; do sleep 0.05; done; exit 3; fi; "
+                             "trap '' TERM; echo $$ > " +
+                             path("rank_0.tmp") + "; mv " + path("rank_0.tmp") + " " + path("rank_0") +
+                             "; "
+                             "sleep 100 & echo $! > " +
+                             path("grandchild.tmp") + "; mv " + path("grandchild.tmp") + " " + path("grandchild") +
+                             "; while :; do sleep 0.1; done";
   const auto started = std::chrono::steady_clock::now();
-  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--termination-grace", "1", "--", "sh",
-                     "-c", script});
+  auto result = run(
+      {"launch", "--nproc-per-node", "2", "--master-port", "0", "--termination-grace", "1", "--", "sh", "-c", script});
   const auto elapsed = std::chrono::steady_clock::now() - started;
   EXPECT_EQ(result.exit_code, 3) << result.output;
-  EXPECT_NE(result.output.find("rank 1 (local rank 1) failed first, with exit code 3"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("rank 1 (local rank 1) failed first, with exit code 3"), std::string::npos)
+      << result.output;
   EXPECT_GE(elapsed, std::chrono::seconds(1)) << "rank 0 ignores SIGTERM: only SIGKILL after the grace ends it";
   EXPECT_LT(elapsed, std::chrono::seconds(30));
   for (const auto* name : {"rank_0", "grandchild"}) {
@@ -171,7 +177,8 @@ TEST_F(LaunchTest, RankKilledBySignalGives128PlusSignal) {
 // succeeds once a round does. Here rank 1 fails in rounds 0 and 1 (killed by SIGKILL, then exit 3).
 TEST_F(LaunchTest, MaxRestartsStartsEveryRankAgainWithTheRestartCount) {
   const std::string script =
-      "echo \"$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS\" >> " + path("rounds_") + "$RANK; "
+      "echo \"$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS\" >> " + path("rounds_") +
+      "$RANK; "
       "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 0 ]; then kill -9 $$; fi; "
       "if [ \"$RANK\" = 1 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" = 1 ]; then exit 3; fi; "
       "if [ \"$RANK\" = 0 ] && [ \"$TORCHELASTIC_RESTART_COUNT\" != 2 ]; then exec sleep 100; fi; exit 0";
@@ -205,16 +212,40 @@ TEST_F(TorchrunSideBySide, RestartsGiveEveryRoundTorchrunsVariables) {
     for (const std::string launcher : {"torchrun", "fsdp"}) {
       const auto prefix = path(launcher + "_" + std::to_string(failing_rounds) + "_rank_");
       const std::string script =
-          "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $ROLE_RANK $ROLE_WORLD_SIZE "
-          "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS >> " + prefix + "$RANK; "
-          "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt " + std::to_string(failing_rounds) + " ]; then exit 3; fi";
+          "echo $RANK $WORLD_SIZE $LOCAL_RANK $LOCAL_WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $ROLE_RANK "
+          "$ROLE_WORLD_SIZE "
+          "$TORCHELASTIC_RESTART_COUNT $TORCHELASTIC_MAX_RESTARTS >> " +
+          prefix +
+          "$RANK; "
+          "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt " +
+          std::to_string(failing_rounds) + " ]; then exit 3; fi";
       detail::ProcessSpec spec;
-      spec.argv = launcher == "torchrun"
-                      ? std::vector<std::string>{testing::venv_python(), "-m", "torch.distributed.run", "--standalone",
-                                                 "--nproc-per-node", "2", "--max-restarts", "2", "--monitor-interval",
-                                                 "0.1", "--no-python", "sh", "-c", script}
-                      : std::vector<std::string>{FSDP_CLI_PATH, "launch", "--nproc-per-node", "2", "--master-port", "0",
-                                                 "--max-restarts", "2", "--", "sh", "-c", script};
+      spec.argv = launcher == "torchrun" ? std::vector<std::string>{testing::venv_python(),
+                                                                    "-m",
+                                                                    "torch.distributed.run",
+                                                                    "--standalone",
+                                                                    "--nproc-per-node",
+                                                                    "2",
+                                                                    "--max-restarts",
+                                                                    "2",
+                                                                    "--monitor-interval",
+                                                                    "0.1",
+                                                                    "--no-python",
+                                                                    "sh",
+                                                                    "-c",
+                                                                    script}
+                                         : std::vector<std::string>{FSDP_CLI_PATH,
+                                                                    "launch",
+                                                                    "--nproc-per-node",
+                                                                    "2",
+                                                                    "--master-port",
+                                                                    "0",
+                                                                    "--max-restarts",
+                                                                    "2",
+                                                                    "--",
+                                                                    "sh",
+                                                                    "-c",
+                                                                    script};
       spec.environment = current_process_environment();
       spec.label = launcher;
       spec.output = detail::OutputMode::kFile;
@@ -301,7 +332,8 @@ TEST_F(LaunchTest, InconsistentFlagsAreRejected) {
   EXPECT_EQ(result.exit_code, 1);
   EXPECT_NE(result.output.find("--node-rank 2 must be in [0, --nnodes 2)"), std::string::npos) << result.output;
   result = run({"launch", "--nnodes", "2", "--master-addr", "10.0.0.1", "--master-port", "0", "--", "true"});
-  EXPECT_NE(result.output.find("--master-port 0 picks a port on this machine only"), std::string::npos) << result.output;
+  EXPECT_NE(result.output.find("--master-port 0 picks a port on this machine only"), std::string::npos)
+      << result.output;
   result = run({"launch", "--nnodes", "2", "--", "true"});
   EXPECT_NE(result.output.find("is a loopback address"), std::string::npos) << result.output;
   result = run({"launch", "--max-restarts", "-1", "--", "true"});
@@ -313,8 +345,9 @@ TEST_F(LaunchTest, InconsistentFlagsAreRejected) {
            {"--nnodes", "0:2", "--nnodes 0:2 is not MIN:MAX with 1 <= MIN <= MAX"},
            {"--nnodes", "two", "--nnodes 'two' is not N or MIN:MAX"},
            {"--nnodes", "1:", "--nnodes '1:' is not N or MIN:MAX"},
-           {"--rdzv-conf", "read_timeout=3", "--rdzv-conf 'read_timeout=3' is not join_timeout=SECONDS or "
-                                             "last_call_timeout=SECONDS"},
+           {"--rdzv-conf", "read_timeout=3",
+            "--rdzv-conf 'read_timeout=3' is not join_timeout=SECONDS or "
+            "last_call_timeout=SECONDS"},
            {"--rdzv-conf", "join_timeout=soon", "--rdzv-conf join_timeout=soon: expected seconds in [0, 86400]"}}) {
     result = run({"launch", flag, value, "--", "true"});
     EXPECT_EQ(result.exit_code, 2) << value << ": " << result.output;
@@ -335,16 +368,19 @@ TEST_F(LaunchTest, SelftestPassesOnThreeRanksWithBytesAtTheory) {
   ASSERT_EQ(result.exit_code, 0) << result.output;
   EXPECT_NE(result.output.find("PASSED"), std::string::npos) << result.output;
   EXPECT_EQ(result.output.find("MISMATCH"), std::string::npos) << result.output;
-  EXPECT_NE(result.output.find("all_gather on 'world': sent 8000 bytes of a 12000-byte buffer; theory (N-1)/N x buffer = 8000  ok"),
+  EXPECT_NE(result.output.find(
+                "all_gather on 'world': sent 8000 bytes of a 12000-byte buffer; theory (N-1)/N x buffer = 8000  ok"),
             std::string::npos)
       << result.output;
   EXPECT_NE(result.output.find("reduce_scatter on 'world': sent 8000 bytes"), std::string::npos) << result.output;
 }
 
 TEST_F(LaunchTest, EnvCommandReportsTheParsedLayout) {
-  auto result = run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--rank-prefix", "--", FSDP_CLI_PATH, "env"});
+  auto result =
+      run({"launch", "--nproc-per-node", "2", "--master-port", "0", "--rank-prefix", "--", FSDP_CLI_PATH, "env"});
   ASSERT_EQ(result.exit_code, 0) << result.output;
-  EXPECT_NE(result.output.find("[rank 1]: parsed:               launcher=torchrun rank=1 world_size=2"), std::string::npos)
+  EXPECT_NE(result.output.find("[rank 1]: parsed:               launcher=torchrun rank=1 world_size=2"),
+            std::string::npos)
       << result.output;
   // The version and ABI of the headers this test was compiled with, and the libtorch it was linked to.
   EXPECT_NE(result.output.find(std::string("libtorch version:     ") + TORCH_VERSION + "\n"), std::string::npos)
@@ -359,9 +395,10 @@ TEST_F(LaunchTest, EnvCommandReportsTheParsedLayout) {
 TEST_F(LaunchTest, ConfigFileSetsProcessCountsAndExportsFsdpVariables) {
   {
     std::ofstream config(path("accelerate.yaml"));
-    config << "distributed_type: FSDP\nnum_processes: 3\nmixed_precision: bf16\nfsdp_config:\n"
-              "  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
-              "  fsdp_transformer_layer_cls_to_wrap: Block\n";
+    config
+        << "distributed_type: FSDP\nnum_processes: 3\nmixed_precision: bf16\nfsdp_config:\n"
+           "  fsdp_version: 2\n  fsdp_reshard_after_forward: false\n  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP\n"
+           "  fsdp_transformer_layer_cls_to_wrap: Block\n";
   }
   // Each launched process resolves the plugin from what it was given.
   auto result = run({"launch", "--config-file", path("accelerate.yaml"), "--master-port", "0", "--rank-prefix",
@@ -373,7 +410,8 @@ TEST_F(LaunchTest, ConfigFileSetsProcessCountsAndExportsFsdpVariables) {
          {"\"value\": 2,", "\"value\": false,", "\"value\": \"FULL_STATE_DICT\",",
           "\"source\": \"environment variable FSDP_RESHARD_AFTER_FORWARD\"", "  \"Block\""}) {
       EXPECT_NE(result.output.find(prefix + "    " + expected), std::string::npos)
-          << prefix << expected << " missing from:\n" << result.output;
+          << prefix << expected << " missing from:\n"
+          << result.output;
     }
   }
   EXPECT_EQ(result.output.find("[rank 3]"), std::string::npos) << result.output;
@@ -393,7 +431,8 @@ TEST_F(LaunchTest, ConfigFileErrorsStopBeforeLaunching) {
 TEST_F(LaunchTest, ToFsdp2Command) {
   {
     std::ofstream config(path("v1.yaml"));
-    config << "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_use_orig_params: true\n";
+    config << "distributed_type: FSDP\nfsdp_config:\n  fsdp_sharding_strategy: SHARD_GRAD_OP\n  fsdp_use_orig_params: "
+              "true\n";
   }
   auto result = run({"to-fsdp2", "--config-file", path("v1.yaml")});
   EXPECT_EQ(result.exit_code, 1);

@@ -6,7 +6,6 @@
 // MPICH and Open MPI cannot both provide mpirun here, MVAPICH2 is not packaged, and a Slurm needs its
 // daemons and a configured cluster.
 #include <gtest/gtest.h>
-
 #include <unistd.h>
 
 #include <filesystem>
@@ -35,7 +34,8 @@ class RealLaunchers : public ::testing::Test {
 
   std::string train_llama(const fs::path& directory) const {
     return std::string(FSDP_TRAIN_LLAMA_PATH) + " --output-dir " + directory.string() + " --data " +
-           (root_ / "train.txt").string() + " --steps 3 --seq-len 32 --global-batch-size 4 --eval-every 0 "
+           (root_ / "train.txt").string() +
+           " --steps 3 --seq-len 32 --global-batch-size 4 --eval-every 0 "
            "--eval-tokens 256 --sample-bytes 4";
   }
 
@@ -48,8 +48,8 @@ class RealLaunchers : public ::testing::Test {
     EXPECT_EQ(result.output.find("MISMATCH"), std::string::npos) << result.output;
     EXPECT_NE(result.output.find("all_gather on 'world': sent "), std::string::npos) << result.output;
 
-    result = run_command("timeout 120 " + std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 2 --master-port 0 -- " +
-                         train_llama(root_ / "fsdp_launch"));
+    result = run_command("timeout 120 " + std::string(FSDP_CLI_PATH) +
+                         " launch --nproc-per-node 2 --master-port 0 -- " + train_llama(root_ / "fsdp_launch"));
     ASSERT_EQ(result.exit_code, 0) << result.output;
     result = run_command("timeout 120 " + launcher + " " + train_llama(root_ / "real"));
     ASSERT_EQ(result.exit_code, 0) << result.output;
@@ -72,8 +72,10 @@ TEST_F(RealLaunchers, OpenMpiRunsTheSelftestAndTrainLlama) {
   ASSERT_EQ(run_command("command -v mpirun").exit_code, 0) << "mpirun is not installed: run scripts/setup.sh";
   const auto port = std::to_string(fsdp::detail::pick_free_port());
   // As root in a container: Open MPI refuses root unless told, and has no other node to reach.
-  run_under("mpirun --allow-run-as-root --oversubscribe -np 2 --mca btl self,tcp --mca btl_tcp_if_include lo "
-            "--mca oob_tcp_if_include lo -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" + port + " -x PATH");
+  run_under(
+      "mpirun --allow-run-as-root --oversubscribe -np 2 --mca btl self,tcp --mca btl_tcp_if_include lo "
+      "--mca oob_tcp_if_include lo -x MASTER_ADDR=127.0.0.1 -x MASTER_PORT=" +
+      port + " -x PATH");
 }
 
 }  // namespace

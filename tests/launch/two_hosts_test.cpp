@@ -5,9 +5,6 @@
 // error naming them. Making namespaces needs root (CAP_NET_ADMIN) and iproute2; where they cannot be
 // made the tests say so and are skipped.
 #include <gtest/gtest.h>
-
-#include <nlohmann/json.hpp>
-
 #include <unistd.h>
 
 #include <chrono>
@@ -17,6 +14,7 @@
 #include <fstream>
 #include <iostream>
 #include <map>
+#include <nlohmann/json.hpp>
 #include <regex>
 #include <sstream>
 #include <thread>
@@ -40,9 +38,9 @@ class TwoHosts : public ::testing::Test {
     fs::remove_all(root_);
     fs::create_directories(root_);
     const std::string setup = "ip netns add " + namespaces_[0] + " && ip netns add " + namespaces_[1] +
-                              " && ip link add " + links_[0] + " type veth peer name " + links_[1] + " && ip link set " +
-                              links_[0] + " netns " + namespaces_[0] + " && ip link set " + links_[1] + " netns " +
-                              namespaces_[1];
+                              " && ip link add " + links_[0] + " type veth peer name " + links_[1] +
+                              " && ip link set " + links_[0] + " netns " + namespaces_[0] + " && ip link set " +
+                              links_[1] + " netns " + namespaces_[1];
     std::string addresses;
     for (int host = 0; host < 2; ++host) {
       addresses += " && ip -n " + namespaces_[host] + " addr add " + addresses_[host] + "/24 dev " + links_[host] +
@@ -145,8 +143,9 @@ TEST_F(TwoHosts, FullShardAndHybridShardGiveTheOneHostLosses) {
   for (const auto& [name, environment] : std::vector<std::pair<std::string, std::string>>{
            {"FULL_SHARD", ""}, {"HYBRID_SHARD", "FSDP_VERSION=1 FSDP_SHARDING_STRATEGY=HYBRID_SHARD"}}) {
     const auto one_host = (root_ / ("one_" + name)).string();
-    auto result = run_command("env " + environment + " " + FSDP_CLI_PATH + " launch --nproc-per-node 4 --master-port 0 -- " +
-                              FSDP_TRAIN_LLAMA_PATH + " " + train_flags(one_host, 4));
+    auto result =
+        run_command("env " + environment + " " + FSDP_CLI_PATH + " launch --nproc-per-node 4 --master-port 0 -- " +
+                    FSDP_TRAIN_LLAMA_PATH + " " + train_flags(one_host, 4));
     ASSERT_EQ(result.exit_code, 0) << name << " on one host: " << result.output;
     // Both hosts write the one output directory, as on a shared file system.
     const auto two_hosts = (root_ / ("two_" + name)).string();
@@ -173,9 +172,9 @@ TEST_F(TwoHosts, KillingHostOnesRanksStopsHostZeroWithinTenSecondsNamingThem) {
   const auto status0 = (root_ / "host0.status").string();
   const auto environment = std::string("FSDP_VERSION=1 FSDP_SHARDING_STRATEGY=HYBRID_SHARD");
   run_command("(" + host_command(1, environment, train_flags(directory, 100000)) + " > " +
-              (root_ / "host1.log").string() + " 2>&1 &) ; (" + host_command(0, environment, train_flags(directory, 100000)) +
-              " > " + log0 + " 2>&1; echo $? > " + status0 + ".tmp; mv " + status0 + ".tmp " + status0 +
-              ") > /dev/null 2>&1 < /dev/null &");
+              (root_ / "host1.log").string() + " 2>&1 &) ; (" +
+              host_command(0, environment, train_flags(directory, 100000)) + " > " + log0 + " 2>&1; echo $? > " +
+              status0 + ".tmp; mv " + status0 + ".tmp " + status0 + ") > /dev/null 2>&1 < /dev/null &");
   // Training has begun once two steps are recorded.
   const auto started = std::chrono::steady_clock::now();
   while (losses(directory).size() < 2 && !fs::exists(status0) &&
@@ -202,7 +201,8 @@ TEST_F(TwoHosts, KillingHostOnesRanksStopsHostZeroWithinTenSecondsNamingThem) {
   // the world (the loss), where Gloo does not say which rank, names the ranks it may be (host 1's among
   // them) and Gloo names host 1's address; the other rank of host 0 then names that rank or host 1's.
   std::string address1;
-  for (const char character : addresses_[1]) address1 += character == '.' ? std::string("\\.") : std::string(1, character);
+  for (const char character : addresses_[1])
+    address1 += character == '.' ? std::string("\\.") : std::string(1, character);
   EXPECT_TRUE(std::regex_search(log.str(), std::regex("(in the exchange with|the connection to) rank [23]")) ||
               std::regex_search(log.str(), std::regex("in an exchange with one of ranks [0-9, ]*\\b[23]\\b[^\\n]*\\[" +
                                                       address1 + "\\]")))
@@ -216,10 +216,11 @@ TEST_F(TwoHosts, KillingHostOnesRanksStopsHostZeroWithinTenSecondsNamingThem) {
 TEST_F(TwoHosts, LosingHostOneLeavesHostZeroToFinishAloneWithTheLossesOfAResumeByHand) {
   const auto directory = (root_ / "elastic").string();
   const auto flags = train_flags(directory, 14) + " --checkpoint-every 2 --total-limit 0 --micro-batch-size 2";
-  const auto launch_flags = std::string("--nnodes 1:2 --max-restarts 1 --rdzv-conf last_call_timeout=2,join_timeout=120");
+  const auto launch_flags =
+      std::string("--nnodes 1:2 --max-restarts 1 --rdzv-conf last_call_timeout=2,join_timeout=120");
   const auto log0 = (root_ / "host0.log").string(), status0 = (root_ / "host0.status").string();
-  start(elastic_command(1, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags), (root_ / "host1.log").string(),
-        (root_ / "host1.status").string());
+  start(elastic_command(1, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags),
+        (root_ / "host1.log").string(), (root_ / "host1.status").string());
   start(elastic_command(0, launch_flags, std::string(FSDP_TRAIN_LLAMA_PATH) + " " + flags), log0, status0);
   const auto started = std::chrono::steady_clock::now();
   while (losses(directory).size() < 5 && !fs::exists(status0) &&
@@ -262,8 +263,9 @@ TEST_F(TwoHosts, LosingHostOneLeavesHostZeroToFinishAloneWithTheLossesOfAResumeB
   // The global batch is kept: the whole run has the losses of one never interrupted on 4 ranks, up
   // to the order of the sums (2 ranks accumulating 2 micro-batches each against 4 ranks one each).
   const auto four = (root_ / "four_ranks").string();
-  result = run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 4 --master-port 0 -- " +
-                       FSDP_TRAIN_LLAMA_PATH + " " + train_flags(four, 14) + " --checkpoint-every 2 --micro-batch-size 2");
+  result =
+      run_command(std::string(FSDP_CLI_PATH) + " launch --nproc-per-node 4 --master-port 0 -- " +
+                  FSDP_TRAIN_LLAMA_PATH + " " + train_flags(four, 14) + " --checkpoint-every 2 --micro-batch-size 2");
   ASSERT_EQ(result.exit_code, 0) << result.output;
   const auto uninterrupted = losses_by_step(four);
   ASSERT_EQ(uninterrupted.size(), 14u) << result.output;
@@ -294,7 +296,8 @@ TEST_F(TwoHosts, ARankKilledOnHostOneRestartsBothHostsAndTheLossesAreThoseOfARun
   }
   ASSERT_GE(losses(directory).size(), 3u) << read(log0);
   // One of host 1's train_llama processes, not its launcher.
-  run_command("for pid in $(ip netns pids " + namespaces_[1] + "); do if tr '\\0' ' ' < /proc/$pid/cmdline | "
+  run_command("for pid in $(ip netns pids " + namespaces_[1] +
+              "); do if tr '\\0' ' ' < /proc/$pid/cmdline | "
               "grep -q '^[^ ]*train_llama '; then kill -9 $pid; break; fi; done");
   ASSERT_EQ(wait_for(status0, std::chrono::seconds(180)), 0) << read(log0);
   ASSERT_EQ(wait_for(status1, std::chrono::seconds(30)), 0) << read(log1);
@@ -302,8 +305,9 @@ TEST_F(TwoHosts, ARankKilledOnHostOneRestartsBothHostsAndTheLossesAreThoseOfARun
   EXPECT_TRUE(std::regex_search(host1, std::regex("on node rank 1, rank [23] \\(local rank [01]\\) failed first, "
                                                   "with exit code 137 \\(SIGKILL\\)")))
       << host1;
-  EXPECT_NE(read(log0).find("round 1: 2 of up to 2 machines (node ranks 0, 1), 4 ranks; this machine runs ranks 0 to 1."),
-            std::string::npos)
+  EXPECT_NE(
+      read(log0).find("round 1: 2 of up to 2 machines (node ranks 0, 1), 4 ranks; this machine runs ranks 0 to 1."),
+      std::string::npos)
       << read(log0);
   const auto expected = losses_by_step(one_host);
   const auto found = losses_by_step(directory);
@@ -317,10 +321,10 @@ TEST_F(TwoHosts, ARankKilledOnHostOneRestartsBothHostsAndTheLossesAreThoseOfARun
 // restart the running round to admit it; Note [elastic rounds].)
 TEST_F(TwoHosts, AMachineThatArrivesWhileARoundRunsJoinsAtTheNextRestart) {
   const auto file = [&](const std::string& name) { return (root_ / name).string(); };
-  const std::string program =
-      "sh -c 'echo $RANK $WORLD_SIZE $GROUP_RANK $TORCHELASTIC_RESTART_COUNT >> " + file("ranks_") + "$RANK; " +
-      "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then touch " + file("round_0") + "; while [ ! -e " + file("host1") +
-      " ]; do sleep 0.05; done; sleep 3; exit 3; fi'";
+  const std::string program = "sh -c 'echo $RANK $WORLD_SIZE $GROUP_RANK $TORCHELASTIC_RESTART_COUNT >> " +
+                              file("ranks_") + "$RANK; " + "if [ $TORCHELASTIC_RESTART_COUNT = 0 ]; then touch " +
+                              file("round_0") + "; while [ ! -e " + file("host1") +
+                              " ]; do sleep 0.05; done; sleep 3; exit 3; fi'";
   // Host 1 has 3 s to start and wait for round 1, which host 0 opens once its processes failed.
   const auto launch_flags = std::string("--nnodes 1:2 --max-restarts 1 --rdzv-conf last_call_timeout=3");
   const auto log0 = file("host0.log"), status0 = file("host0.status");
@@ -371,7 +375,8 @@ TEST_F(TwoHosts, ASignalToHostOnesLauncherTakesItOutAndHostZeroGoesOnAlone) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
   }
   ASSERT_TRUE(fs::exists(file("ranks_3"))) << read(file("host1.log"));
-  run_command("ip netns pids " + namespaces_[1] + " | xargs -r ps -o pid=,comm= -p | awk '$2 == \"fsdp\" {print $1}' | "
+  run_command("ip netns pids " + namespaces_[1] +
+              " | xargs -r ps -o pid=,comm= -p | awk '$2 == \"fsdp\" {print $1}' | "
               "xargs -r kill -TERM");
   EXPECT_EQ(wait_for(file("host1.status"), std::chrono::seconds(30)), 143) << read(file("host1.log"));
   ASSERT_EQ(wait_for(file("host0.status"), std::chrono::seconds(30)), 0) << read(file("host0.log"));
@@ -395,8 +400,8 @@ TEST_F(TwoHosts, FewerThanMinMachinesDisagreeingLaunchersAndALostStoreHostAreNam
     start(elastic_command(1, flags1, program), file(name + "1.log"), file(name + "1.status"));
     start(elastic_command(0, flags0, program), file(name + "0.log"), file(name + "0.status"));
   };
-  both("--nnodes 3:3 --max-restarts 1 --rdzv-conf join_timeout=3", "--nnodes 3:3 --max-restarts 1 --rdzv-conf join_timeout=3",
-       "true", "few");
+  both("--nnodes 3:3 --max-restarts 1 --rdzv-conf join_timeout=3",
+       "--nnodes 3:3 --max-restarts 1 --rdzv-conf join_timeout=3", "true", "few");
   for (const auto host : {"0", "1"}) {
     EXPECT_EQ(wait_for(file(std::string("few") + host + ".status"), std::chrono::seconds(30)), 1) << host;
     EXPECT_NE(read(file(std::string("few") + host + ".log"))
@@ -410,11 +415,12 @@ TEST_F(TwoHosts, FewerThanMinMachinesDisagreeingLaunchersAndALostStoreHostAreNam
   both("--nnodes 1:2 --max-restarts 1", "--nnodes 1:2 --max-restarts 2", "true", "differ");
   for (const auto host : {"0", "1"}) {
     EXPECT_EQ(wait_for(file(std::string("differ") + host + ".status"), std::chrono::seconds(30)), 1) << host;
-    EXPECT_TRUE(std::regex_search(read(file(std::string("differ") + host + ".log")),
-                                  std::regex("round 0: the launcher of --node-rank 1 \\(on \\S+\\) has --nproc-per-node 2 "
-                                             "--nnodes 1:2 --max-restarts 2 --termination-grace 3 but the host's are "
-                                             "--nproc-per-node 2 --nnodes 1:2 --max-restarts 1 --termination-grace 3; "
-                                             "every machine's launcher needs the same ones")))
+    EXPECT_TRUE(
+        std::regex_search(read(file(std::string("differ") + host + ".log")),
+                          std::regex("round 0: the launcher of --node-rank 1 \\(on \\S+\\) has --nproc-per-node 2 "
+                                     "--nnodes 1:2 --max-restarts 2 --termination-grace 3 but the host's are "
+                                     "--nproc-per-node 2 --nnodes 1:2 --max-restarts 1 --termination-grace 3; "
+                                     "every machine's launcher needs the same ones")))
         << read(file(std::string("differ") + host + ".log"));
   }
 
@@ -432,9 +438,9 @@ TEST_F(TwoHosts, FewerThanMinMachinesDisagreeingLaunchersAndALostStoreHostAreNam
       << "host 1's processes never started: " << read(log1);
   run_command("ip netns pids " + namespaces_[0] + " | xargs -r kill -9");
   EXPECT_EQ(wait_for(status1, std::chrono::seconds(30)), 1) << read(log1);
-  EXPECT_NE(read(log1).find("the launchers' rendezvous store at " + addresses_[0] + ":" + std::to_string(port_) +
-                            " failed"),
-            std::string::npos)
+  EXPECT_NE(
+      read(log1).find("the launchers' rendezvous store at " + addresses_[0] + ":" + std::to_string(port_) + " failed"),
+      std::string::npos)
       << read(log1);
   EXPECT_NE(read(log1).find("without it the job cannot go on"), std::string::npos) << read(log1);
 }

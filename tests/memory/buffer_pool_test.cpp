@@ -1,10 +1,9 @@
 // The pool of unit-sized blocks: a returned block is handed out again for the same size, and the
 // pool never keeps more than kMaxKeptBlocks free blocks.
-#include <gtest/gtest.h>
+#include "memory/buffer_pool.h"
 
 #include <ATen/ATen.h>
-
-#include "memory/buffer_pool.h"
+#include <gtest/gtest.h>
 
 namespace fsdp::detail {
 namespace {
@@ -50,8 +49,10 @@ TEST(BufferPool, ABlockReturnedAfterWorkIsNotReusedBeforeTheWorkCompletes) {
   EXPECT_NE(while_busy.get(), address) << "a block in use was handed out";
   // Filling the free list past its cap must not free the busy block either.
   std::vector<at::DataPtr> others;
-  for (size_t index = 0; index < kMaxKeptBlocks + 2; ++index) others.push_back(take_pooled_block(23456 + 16 * (index + 1)));
-  for (size_t index = 0; index < others.size(); ++index) return_pooled_block(std::move(others[index]), 23456 + 16 * (index + 1));
+  for (size_t index = 0; index < kMaxKeptBlocks + 2; ++index)
+    others.push_back(take_pooled_block(23456 + 16 * (index + 1)));
+  for (size_t index = 0; index < others.size(); ++index)
+    return_pooled_block(std::move(others[index]), 23456 + 16 * (index + 1));
   EXPECT_EQ(pooled_busy_bytes(), 23456);
   EXPECT_EQ(bytes.data_ptr(), address);
 

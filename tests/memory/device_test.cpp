@@ -1,17 +1,15 @@
 // fsdp::default_device and the stream helpers where no GPU is visible (every CPU machine, and CI):
 // FSDP_DEVICE is read and checked, a request for a GPU that is not there is a named error, and the
 // stream helpers are no-ops on the CPU. tests/gpu/gpu_test.cpp covers the GPU side.
-#include <gtest/gtest.h>
+#include "memory/device.h"
 
 #include <ATen/ATen.h>
+#include <fsdp/device.h>
+#include <gtest/gtest.h>
 
 #include <cstdlib>
 #include <optional>
 #include <string>
-
-#include <fsdp/device.h>
-
-#include "memory/device.h"
 
 namespace fsdp {
 namespace {

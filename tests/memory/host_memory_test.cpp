@@ -1,10 +1,9 @@
 // limit_retained_host_memory: large blocks stay mappings of their own, even after one was freed
 // (which, by default, makes glibc serve blocks of that size from the heap, where freed memory stays).
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 
 #include <cstdlib>
-
-#include <fsdp/fsdp.h>
 
 #include "harness/error_message.h"
 

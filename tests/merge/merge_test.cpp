@@ -1,24 +1,21 @@
 // merge_fsdp_weights and `fsdp merge-weights`: merged files equal the FULL state dict, for checkpoints
 // from 1 to 4 ranks; inputs that cannot be merged are named; a failed merge leaves nothing behind.
+#include <fsdp/accelerate_config.h>
+#include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
-#include <torch/torch.h>
-
 #include <sys/stat.h>
+#include <torch/torch.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-
 #include <nlohmann/json.hpp>
 
-#include <fsdp/accelerate_config.h>
-#include <fsdp/fsdp.h>
-
-#include "harness/parity.h"
-#include "harness/test_models.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/parity.h"
 #include "harness/python_peer.h"
+#include "harness/test_models.h"
 
 namespace fsdp {
 namespace {
@@ -120,10 +117,12 @@ TEST(Merge, ShardedOutputTorchBinAndOptimizerDirectories) {
   EXPECT_EQ(fs::path(bin.files[0]).filename(), "pytorch_model.bin");
   TensorListSource from_bin(tensor_dict_items(load_torch_file(bin.files[0]), bin.files[0]));
   expect_same_tensors(from_bin, root + "/full.safetensors");
-  const auto python = testing::run_python_code("import torch; d = torch.load('" + bin.files[0] +
-                                               "', weights_only=True); print('keys', len(d), float(d['norm.weight'].sum()))");
+  const auto python =
+      testing::run_python_code("import torch; d = torch.load('" + bin.files[0] +
+                               "', weights_only=True); print('keys', len(d), float(d['norm.weight'].sum()))");
   ASSERT_TRUE(python.ok);
-  EXPECT_NE(python.output.at(0).find("keys " + std::to_string(from_bin.size())), std::string::npos) << python.output.at(0);
+  EXPECT_NE(python.output.at(0).find("keys " + std::to_string(from_bin.size())), std::string::npos)
+      << python.output.at(0);
 
   // The optimizer: safetensors with "state.<parameter>.<field>" keys and the groups in the metadata,
   // or the nested optimizer.bin of a FULL checkpoint.
@@ -192,7 +191,8 @@ TEST(Merge, InputsThatCannotBeMergedAreNamedAndAFailedMergeLeavesNothing) {
   // Another layout's files count too: transformers would load model.safetensors before an index.
   MergeOptions sharded_overwrite;
   sharded_overwrite.max_shard_size = 600;
-  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out", sharded_overwrite); }, "already holds model.safetensors");
+  expect_error([&] { merge_fsdp_weights(model_dir, root + "/out", sharded_overwrite); },
+               "already holds model.safetensors");
   sharded_overwrite.overwrite = true;
   merge_fsdp_weights(model_dir, root + "/out", sharded_overwrite);
   EXPECT_FALSE(fs::exists(root + "/out/model.safetensors")) << "the replaced layout must be gone";
@@ -234,7 +234,8 @@ TEST(Merge, EveryRankCallsItRankZeroWritesAndItsFailureIsEveryRanks) {
     EXPECT_GT(result.tensors, 0);
     EXPECT_TRUE(fs::exists(root + "/merged/model.safetensors"));
     // The output exists now: rank 0 refuses to overwrite it, and every rank hears why.
-    auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/merged", MergeOptions{}, context); });
+    auto message =
+        testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/merged", MergeOptions{}, context); });
     EXPECT_NE(message.find("already holds model.safetensors"), std::string::npos) << message;
     if (context.rank() == 1) {
       EXPECT_NE(message.find("rank 0 failed"), std::string::npos) << message;
@@ -242,7 +243,8 @@ TEST(Merge, EveryRankCallsItRankZeroWritesAndItsFailureIsEveryRanks) {
     // Without the context, a rank other than 0 would write the same files: an error there.
     if (context.rank() == 1) {
       message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/other", MergeOptions{}); });
-      EXPECT_NE(message.find("merge_fsdp_weights: called on rank 1 of 2 without a DistributedContext"), std::string::npos)
+      EXPECT_NE(message.find("merge_fsdp_weights: called on rank 1 of 2 without a DistributedContext"),
+                std::string::npos)
           << message;
       EXPECT_FALSE(fs::exists(root + "/other"));
     }
@@ -278,21 +280,25 @@ TEST(Merge, CommandLineMergesAndReportsErrors) {
     return WEXITSTATUS(::pclose(pipe));
   };
   std::string output;
-  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli --max_shard_size 1KB", output),
-            0)
+  EXPECT_EQ(
+      run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli --max_shard_size 1KB", output),
+      0)
       << output;
   EXPECT_NE(output.find("model.safetensors.index.json"), std::string::npos) << output;
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint " + root + "/cli2", output), 1) << output;
   EXPECT_NE(output.find("fsdp: error: merge: '"), std::string::npos) << output;
-  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli3 --max-shard-size lots", output),
-            2)
+  EXPECT_EQ(
+      run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli3 --max-shard-size lots", output),
+      2)
       << output;
   EXPECT_NE(output.find("'lots' is not a size"), std::string::npos) << output;
   // A file is not a directory that "does not exist".
   EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0/.metadata " + root + "/cli5", output), 1);
   EXPECT_NE(output.find(".metadata' is a file, not a checkpoint directory"), std::string::npos) << output;
   // An empty size is not "no limit" (it used to merge into one file with exit 0).
-  EXPECT_EQ(run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output), 2)
+  EXPECT_EQ(
+      run("merge-weights " + root + "/checkpoint/pytorch_model_fsdp_0 " + root + "/cli4 --max-shard-size ''", output),
+      2)
       << output;
   EXPECT_NE(output.find("'' is not a size"), std::string::npos) << output;
   EXPECT_EQ(run("merge-weights --help", output), 0);
@@ -309,7 +315,6 @@ TEST(Merge, ParsesByteSizes) {
   EXPECT_NE(testing::error_message_of([] { parse_byte_size("-5GB"); }).find("is not a size"), std::string::npos);
   EXPECT_NE(testing::error_message_of([] { parse_byte_size("GB"); }).find("is not a size"), std::string::npos);
 }
-
 
 // Issue "Reliability": a metadata.json that lists fewer tensors than the rank files hold (or none)
 // once merged "0 tensors" and then removed the directory. Every byte of the rank files must be
@@ -360,7 +365,8 @@ TEST(Merge, AnUnknownDtypeInTheMetadataIsNamedAsSuch) {
   changed["tensors"][0]["dtype"] = "Q4";
   std::ofstream(metadata_path) << changed.dump();
   auto message = testing::error_message_of([&] { merge_fsdp_weights(model_dir, root + "/out"); });
-  EXPECT_NE(message.find("tensor '" + name + "' has dtype 'Q4', which is not a dtype fsdp.cpp writes"), std::string::npos)
+  EXPECT_NE(message.find("tensor '" + name + "' has dtype 'Q4', which is not a dtype fsdp.cpp writes"),
+            std::string::npos)
       << message;
   EXPECT_EQ(message.find("of another shape"), std::string::npos) << message;
   changed["tensors"][0]["dtype"] = "F16";
@@ -423,12 +429,13 @@ TEST_P(MergeDcp, OutputEqualsAcceleratesMergeFsdpWeights) {
   MergeOptions unsafe;
   unsafe.safe_serialization = false;
   merge_fsdp_weights(model_dir, root + "/ours_bin", unsafe);
-  auto compared = testing::run_python(
-      "accelerate_merge.py", {"compare", root + "/ours_safe/model.safetensors", root + "/theirs/safe/model.safetensors"});
+  auto compared = testing::run_python("accelerate_merge.py", {"compare", root + "/ours_safe/model.safetensors",
+                                                              root + "/theirs/safe/model.safetensors"});
   ASSERT_TRUE(compared.ok);
-  EXPECT_NE(compared.output[0].find("7 tensors equal; files byte for byte the same"), std::string::npos) << compared.output[0];
+  EXPECT_NE(compared.output[0].find("7 tensors equal; files byte for byte the same"), std::string::npos)
+      << compared.output[0];
   ASSERT_TRUE(testing::run_python("accelerate_merge.py", {"compare", root + "/ours_bin/pytorch_model.bin",
-                                                           root + "/theirs/bin/pytorch_model.bin"})
+                                                          root + "/theirs/bin/pytorch_model.bin"})
                   .ok);
   // And both equal PyTorch's own full state dict of the trained model.
   SafetensorsReader merged(root + "/ours_safe/model.safetensors");
@@ -438,13 +445,17 @@ TEST_P(MergeDcp, OutputEqualsAcceleratesMergeFsdpWeights) {
   // The optimizer directory merges into the full optimizer state: the same tensors and parameter
   // groups as Accelerate's merge of it (torch.save output), read back by torch.
   merge_fsdp_weights(root + "/optimizer_0", root + "/ours_optimizer", unsafe);
-  ASSERT_TRUE(testing::run_python("accelerate_merge.py", {"merge", root + "/optimizer_0", root + "/theirs_optimizer",
-                                                           "--unsafe-only"})
+  ASSERT_TRUE(testing::run_python("accelerate_merge.py",
+                                  {"merge", root + "/optimizer_0", root + "/theirs_optimizer", "--unsafe-only"})
                   .ok);
   const auto optimizer = testing::run_python_code(
       "import torch\n"
-      "ours = torch.load('" + root + "/ours_optimizer/optimizer.bin', weights_only=True)\n"
-      "theirs = torch.load('" + root + "/theirs_optimizer/bin/pytorch_model.bin', weights_only=True)\n"
+      "ours = torch.load('" +
+      root +
+      "/ours_optimizer/optimizer.bin', weights_only=True)\n"
+      "theirs = torch.load('" +
+      root +
+      "/theirs_optimizer/bin/pytorch_model.bin', weights_only=True)\n"
       "assert ours['optimizer'] == 'AdamW', ours['optimizer']\n"
       "assert ours['state'].keys() == theirs['state'].keys(), (ours['state'].keys(), theirs['state'].keys())\n"
       "count = 0\n"
@@ -459,8 +470,9 @@ TEST_P(MergeDcp, OutputEqualsAcceleratesMergeFsdpWeights) {
   EXPECT_NE(optimizer.output.at(0).find("optimizer 21 tensors equal"), std::string::npos) << optimizer.output.at(0);
 }
 
-INSTANTIATE_TEST_SUITE_P(Ranks, MergeDcp, ::testing::Values(2, 3),
-                         [](const ::testing::TestParamInfo<int>& info) { return std::to_string(info.param) + "ranks"; });
+INSTANTIATE_TEST_SUITE_P(Ranks, MergeDcp, ::testing::Values(2, 3), [](const ::testing::TestParamInfo<int>& info) {
+  return std::to_string(info.param) + "ranks";
+});
 
 // A DCP directory whose data file was cut short or replaced: a named error, and nothing removed.
 TEST(MergeDcpDamaged, ATruncatedOrMissingDataFileIsNamedAndTheInputStays) {

@@ -6,15 +6,14 @@
 //    `train_llama --init-from` and `--eval-only` prints the loss transformers computes on the same bytes.
 // The configurations use a rope_theta and an rms_norm_eps far from the defaults, and random norm
 // weights, so that a field or a weight read wrongly changes the numbers.
+#include <fsdp/fsdp.h>
+#include <fsdp/models/llama.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-
-#include <fsdp/fsdp.h>
-#include <fsdp/models/llama.h>
 
 #include "harness/python_peer.h"
 #include "harness/run_command.h"
@@ -120,8 +119,8 @@ void expect_train_llama_loss(const fs::path& root, bool tied, int kv_heads, bool
   const double expected = value_after(python.output[0], "transformers_loss=");
   ASSERT_GT(expected, 0) << python.output[0];
   EXPECT_EQ(fs::exists(root / "model" / "model.safetensors.index.json"), sharded);
-  const auto ours = testing::run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + model + " --data " + data +
-                        " --seq-len 32 --eval-tokens 2000");
+  const auto ours = testing::run_command(std::string(FSDP_TRAIN_LLAMA_PATH) + " --eval-only --init-from " + model +
+                                         " --data " + data + " --seq-len 32 --eval-tokens 2000");
   ASSERT_EQ(ours.exit_code, 0) << ours.output;
   const double loss = value_after(ours.output, "eval_loss=");
   // train_llama prints 6 decimals; fp32 logits agree to about 1e-6 relative.
@@ -140,12 +139,12 @@ TEST_F(LlamaTransformers, ShardedTransformersModelLoadsInTrainLlamaWithTheSameLo
 // What the model does not compute is an error naming the field, never ignored; the config.json
 // transformers 5 writes is accepted (the tests above load it).
 TEST(LlamaConfig, UnsupportedConfigFieldsAreErrorsNamingThem) {
-  const std::string base =
-      R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, )"
-      R"("num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2)";
+  const std::string base = R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, )"
+                           R"("num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2)";
   const std::vector<std::pair<std::string, std::string>> cases = {
       {R"("rope_scaling": {"rope_type": "llama3", "factor": 8.0})", "sets rope_scaling"},
-      {R"("rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})", "uses rope_type \"linear\""},
+      {R"("rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0})",
+       "uses rope_type \"linear\""},
       {R"("attention_bias": true)", "enables attention_bias or mlp_bias"},
       {R"("mlp_bias": true)", "enables attention_bias or mlp_bias"},
       {R"("head_dim": 32)", "sets head_dim 32, but hidden_size / num_attention_heads is 16"},
@@ -170,15 +169,16 @@ TEST(LlamaConfig, UnsupportedConfigFieldsAreErrorsNamingThem) {
   // A required integer written as a fraction.
   std::string message;
   try {
-    LlamaConfig::from_json(R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64.5, "intermediate_size": 96, )"
-                           R"("num_hidden_layers": 2, "num_attention_heads": 4})",
-                           "config.json");
+    LlamaConfig::from_json(
+        R"({"model_type": "llama", "vocab_size": 256, "hidden_size": 64.5, "intermediate_size": 96, )"
+        R"("num_hidden_layers": 2, "num_attention_heads": 4})",
+        "config.json");
   } catch (const c10::Error& error) {
     message = error.what_without_backtrace();
   }
   EXPECT_NE(message.find("'config.json': 'hidden_size' must be an integer, got 64.5"), std::string::npos) << message;
-  const auto accepted = LlamaConfig::from_json(base + R"(, "attention_dropout": 0.0, "head_dim": 16, "dtype": "float32"})",
-                                               "config.json");
+  const auto accepted = LlamaConfig::from_json(
+      base + R"(, "attention_dropout": 0.0, "head_dim": 16, "dtype": "float32"})", "config.json");
   EXPECT_EQ(accepted.head_dim(), 16);
 }
 

@@ -1,6 +1,5 @@
-#include <gtest/gtest.h>
-
 #include <fsdp/shard_layout.h>
+#include <gtest/gtest.h>
 
 #include "harness/error_message.h"
 

@@ -31,9 +31,10 @@ std::string read_file(const std::string& path) {
 
 /// Deterministic English-like sentences for machines without the license texts.
 std::string generated_corpus(int64_t bytes) {
-  const std::vector<std::string> subjects = {"The model", "A rank", "Every shard", "The optimizer", "Each layer", "The loss"};
+  const std::vector<std::string> subjects = {"The model",     "A rank",     "Every shard",
+                                             "The optimizer", "Each layer", "The loss"};
   const std::vector<std::string> verbs = {"gathers", "reduces", "updates", "keeps", "sends", "computes"};
-  const std::vector<std::string> objects = {"its parameters", "the gradients", "one slice of the weights",
+  const std::vector<std::string> objects = {"its parameters",  "the gradients",  "one slice of the weights",
                                             "the full tensor", "a smaller loss", "the next batch"};
   std::mt19937 generator(7);
   std::string text;
@@ -61,11 +62,12 @@ std::string load_corpus(const std::string& path, int64_t minimum_bytes) {
     }
     std::sort(files.begin(), files.end());
     for (const auto& file : files) text += read_file(file.string());
-    if (static_cast<int64_t>(text.size()) < minimum_bytes) text = generated_corpus(std::max<int64_t>(minimum_bytes, 200000));
+    if (static_cast<int64_t>(text.size()) < minimum_bytes)
+      text = generated_corpus(std::max<int64_t>(minimum_bytes, 200000));
   }
-  TORCH_CHECK(static_cast<int64_t>(text.size()) >= minimum_bytes, "data file '", path.empty() ? "(built-in corpus)" : path,
-              "' has ", text.size(),
-              " bytes; at least ", minimum_bytes, " are needed (sequence length + 1). Use a longer text or --seq-len");
+  TORCH_CHECK(static_cast<int64_t>(text.size()) >= minimum_bytes, "data file '",
+              path.empty() ? "(built-in corpus)" : path, "' has ", text.size(), " bytes; at least ", minimum_bytes,
+              " are needed (sequence length + 1). Use a longer text or --seq-len");
   return text;
 }
 

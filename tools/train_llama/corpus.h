@@ -19,6 +19,7 @@ torch::Tensor bytes_to_tokens(const std::string& text);
 /// The global batch of optimizer step `step`: `global_batch` windows of `length + 1` bytes at
 /// offsets drawn from a generator seeded by (seed, step), identical on every rank and in a resumed
 /// run. Returns [global_batch, length + 1] token ids.
-torch::Tensor global_batch(const torch::Tensor& tokens, int64_t step, uint64_t seed, int64_t global_batch, int64_t length);
+torch::Tensor global_batch(const torch::Tensor& tokens, int64_t step, uint64_t seed, int64_t global_batch,
+                           int64_t length);
 
 }  // namespace train_llama

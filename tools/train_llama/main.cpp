@@ -6,27 +6,26 @@
 //
 // FSDP settings come from the plugin (FSDP_* variables, or `fsdp launch --config-file`); without them
 // the job uses FSDP version 2, FULL_SHARD and transformer-based wrapping of LlamaDecoderLayer.
-#include <CLI/CLI.hpp>
 #include <ATen/CPUGeneratorImpl.h>
-#include <torch/torch.h>
-
-#include <cerrno>
-#include <cmath>
-#include <chrono>
-#include <cstdlib>
-#include <cstring>
-#include <map>
-#include <set>
-#include <cstdio>
-#include <filesystem>
-#include <functional>
-#include <memory>
-#include <fstream>
-#include <iostream>
-#include <sstream>
-
 #include <fsdp/fsdp.h>
 #include <fsdp/models/llama.h>
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <cerrno>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
 
 #include "train_llama/corpus.h"
 #include "train_llama/report.h"
@@ -133,8 +132,8 @@ std::string text_fingerprint(const std::string& text) {
 /// Linear warmup, then cosine decay to min_lr at the last step.
 double learning_rate(const Settings& settings, int64_t step) {
   if (step <= settings.warmup_steps) return settings.lr * step / std::max<int64_t>(1, settings.warmup_steps);
-  const double progress = static_cast<double>(step - settings.warmup_steps) /
-                          std::max<int64_t>(1, settings.steps - settings.warmup_steps);
+  const double progress =
+      static_cast<double>(step - settings.warmup_steps) / std::max<int64_t>(1, settings.steps - settings.warmup_steps);
   return settings.min_lr + 0.5 * (settings.lr - settings.min_lr) * (1.0 + std::cos(M_PI * std::min(1.0, progress)));
 }
 
@@ -150,7 +149,8 @@ size_t unique_parameter_count(LlamaForCausalLM& model) {
 void check_tensor_count(const fsdp::SafetensorsCheckpointSource& source, size_t model_tensors,
                         const std::string& directory) {
   TORCH_CHECK(source.size() == model_tensors, "'", directory, "' has ", source.size(), " tensors but the model takes ",
-              model_tensors, " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a checkpoint "
+              model_tensors,
+              " (an untied lm_head with tie_word_embeddings true, or biases?); it is not a checkpoint "
               "of this configuration");
 }
 
@@ -161,11 +161,11 @@ void load_weights_into(LlamaForCausalLM& model, const std::string& directory) {
   std::set<const c10::TensorImpl*> loaded;
   for (auto& item : model->named_parameters()) {
     if (loaded.count(item.value().unsafeGetTensorImpl())) continue;  // the tied lm_head
-    TORCH_CHECK(source.contains(item.key()), "'", directory, "' has no weight '", item.key(),
-                "' (it has ", source.size(), " tensors); is it a Llama checkpoint of this configuration?");
+    TORCH_CHECK(source.contains(item.key()), "'", directory, "' has no weight '", item.key(), "' (it has ",
+                source.size(), " tensors); is it a Llama checkpoint of this configuration?");
     const auto shape = source.shape(item.key());
-    TORCH_CHECK(at::IntArrayRef(shape) == item.value().sizes(), "'", directory, "': weight '", item.key(), "' has shape ",
-                at::IntArrayRef(shape), " but config.json describes ", item.value().sizes());
+    TORCH_CHECK(at::IntArrayRef(shape) == item.value().sizes(), "'", directory, "': weight '", item.key(),
+                "' has shape ", at::IntArrayRef(shape), " but config.json describes ", item.value().sizes());
     item.value().copy_(source.rows(item.key(), 0, shape.empty() ? 1 : shape[0]).reshape(shape));
     loaded.insert(item.value().unsafeGetTensorImpl());
   }
@@ -243,7 +243,8 @@ LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, bool 
   return LlamaForCausalLM(config);
 }
 
-void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory, const fsdp::DistributedContext& context) {
+void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory,
+                           const fsdp::DistributedContext& context) {
   on_rank0_or_fail_everywhere(context, directory, [&] { load_weights_into(model, directory); });
 }
 
@@ -264,8 +265,11 @@ void stream_pretrained_weights(LlamaForCausalLM& model, const std::string& direc
 
 /// The settings a resumed run must share with the run that saved the checkpoint.
 std::map<std::string, double> resume_settings(const Settings& settings) {
-  return {{"steps", static_cast<double>(settings.steps)}, {"warmup_steps", static_cast<double>(settings.warmup_steps)},
-          {"lr", settings.lr}, {"min_lr", settings.min_lr}, {"seed", static_cast<double>(settings.seed)},
+  return {{"steps", static_cast<double>(settings.steps)},
+          {"warmup_steps", static_cast<double>(settings.warmup_steps)},
+          {"lr", settings.lr},
+          {"min_lr", settings.min_lr},
+          {"seed", static_cast<double>(settings.seed)},
           {"global_batch_size", static_cast<double>(settings.global_batch_size)},
           {"seq_len", static_cast<double>(settings.seq_len)}};
 }
@@ -421,13 +425,14 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   options.project_dir = settings.output_dir;
   options.total_limit = settings.total_limit;
   fsdp::Accelerator accelerator(context, options);
-  TORCH_CHECK(!settings.async_checkpoint ||
-                  accelerator.fsdp_plugin().state_dict_type == fsdp::StateDictType::kShardedStateDict,
-              "--async-checkpoint writes SHARDED_STATE_DICT checkpoints only, but FSDP_STATE_DICT_TYPE is ",
-              fsdp::to_string(accelerator.fsdp_plugin().state_dict_type),
-              ". Set FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT, or leave out --async-checkpoint");
-  torch::optim::AdamW optimizer(unique_parameters(*model),
-                                torch::optim::AdamWOptions(settings.lr).betas({0.9, 0.95}).weight_decay(settings.weight_decay));
+  TORCH_CHECK(
+      !settings.async_checkpoint || accelerator.fsdp_plugin().state_dict_type == fsdp::StateDictType::kShardedStateDict,
+      "--async-checkpoint writes SHARDED_STATE_DICT checkpoints only, but FSDP_STATE_DICT_TYPE is ",
+      fsdp::to_string(accelerator.fsdp_plugin().state_dict_type),
+      ". Set FSDP_STATE_DICT_TYPE=SHARDED_STATE_DICT, or leave out --async-checkpoint");
+  torch::optim::AdamW optimizer(
+      unique_parameters(*model),
+      torch::optim::AdamWOptions(settings.lr).betas({0.9, 0.95}).weight_decay(settings.weight_decay));
   accelerator.prepare(model, optimizer);
   if (stream_weights) stream_pretrained_weights(model, settings.init_from, context);
 
@@ -461,8 +466,9 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     if (saved_world != resumed->scheduler.end() && saved_world->second != static_cast<double>(world)) {
       const auto saved_micro = resumed->scheduler.find("micro_batch_size");
       const int64_t saved = static_cast<int64_t>(saved_world->second);
-      const int64_t was_micro = saved_micro == resumed->scheduler.end() ? settings.global_batch_size / std::max<int64_t>(saved, 1)
-                                                                        : static_cast<int64_t>(saved_micro->second);
+      const int64_t was_micro = saved_micro == resumed->scheduler.end()
+                                    ? settings.global_batch_size / std::max<int64_t>(saved, 1)
+                                    : static_cast<int64_t>(saved_micro->second);
       const int64_t was_accumulation = settings.global_batch_size / std::max<int64_t>(saved * was_micro, 1);
       accelerator.print("the checkpoint was saved by " + std::to_string(saved) + " ranks and this run has " +
                         std::to_string(world) + ": --global-batch-size " + std::to_string(settings.global_batch_size) +
@@ -485,8 +491,8 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     const auto step_start = std::chrono::steady_clock::now();
     const double lr = learning_rate(settings, step);
     for (auto& group : optimizer.param_groups()) static_cast<torch::optim::AdamWOptions&>(group.options()).lr(lr);
-    const auto batch = train_llama::global_batch(train_tokens, step, settings.seed, settings.global_batch_size,
-                                                 settings.seq_len);
+    const auto batch =
+        train_llama::global_batch(train_tokens, step, settings.seed, settings.global_batch_size, settings.seq_len);
     const auto local = batch.narrow(0, context.rank() * accumulation * micro, accumulation * micro);
     double loss_sum = 0;
     for (int64_t index = 0; index < accumulation; ++index) {
@@ -507,7 +513,8 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
                         " and the gradient norm " + c10::str(grad_norm);
       TORCH_CHECK(settings.skip_nonfinite_steps, what,
                   "; training stopped before this optimizer step, so the weights are those of step ", step - 1,
-                  ". Lower --lr (now ", settings.lr, "), resume from the last checkpoint, or pass "
+                  ". Lower --lr (now ", settings.lr,
+                  "), resume from the last checkpoint, or pass "
                   "--skip-nonfinite-steps to skip such steps");
       accelerator.print("train_llama: warning: " + what + "; the optimizer step is skipped (--skip-nonfinite-steps)");
       optimizer.zero_grad();
@@ -526,8 +533,9 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
     record.lr = lr;
     record.grad_norm = grad_norm;
     record.tokens_per_s = settings.global_batch_size * settings.seq_len / std::max(seconds, 1e-9);
-    record.peak_rss_mb = accelerator.reduce(torch::tensor(train_llama::peak_rss_mb(), torch::kDouble), "sum").item<double>() /
-                         static_cast<double>(world);
+    record.peak_rss_mb =
+        accelerator.reduce(torch::tensor(train_llama::peak_rss_mb(), torch::kDouble), "sum").item<double>() /
+        static_cast<double>(world);
     if ((settings.eval_every > 0 && step % settings.eval_every == 0) || step == settings.steps) {
       last_eval = evaluate(model, eval_tokens, settings.seq_len, settings.eval_tokens, context);
       record.eval_loss = last_eval;
@@ -552,8 +560,8 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
       scheduler["micro_batch_size"] = static_cast<double>(micro);
       fsdp::SaveStateOptions save_options;
       save_options.async = settings.async_checkpoint;
-      const auto directory =
-          accelerator.save_state(fsdp::TrainingProgress{step, step * settings.global_batch_size, scheduler}, save_options);
+      const auto directory = accelerator.save_state(
+          fsdp::TrainingProgress{step, step * settings.global_batch_size, scheduler}, save_options);
       if (!settings.async_checkpoint) accelerator.print("saved checkpoint " + directory);
     }
     if (step == settings.stop_after || step == settings.steps) {
@@ -585,47 +593,75 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
 
 int main(int argc, char** argv) {
   Settings settings;
-  CLI::App app{"train_llama: train a Llama-architecture byte-level language model with FSDP.\n"
-               "Run it under `fsdp launch --nproc-per-node N --`; FSDP settings come from FSDP_* variables or "
-               "`fsdp launch --config-file`."};
-  app.add_option("--preset", settings.preset, "Model size: tiny, small, medium or large (0.54 B parameters, built on the "
-                 "meta device)")->check(known_preset())->capture_default_str();
+  CLI::App app{
+      "train_llama: train a Llama-architecture byte-level language model with FSDP.\n"
+      "Run it under `fsdp launch --nproc-per-node N --`; FSDP settings come from FSDP_* variables or "
+      "`fsdp launch --config-file`."};
+  app.add_option("--preset", settings.preset,
+                 "Model size: tiny, small, medium or large (0.54 B parameters, built on the "
+                 "meta device)")
+      ->check(known_preset())
+      ->capture_default_str();
   app.add_flag("--meta-init", settings.meta_init,
                "Build the model on the meta device on every rank; fully_shard initializes one unit at a time, or, with "
                "--init-from, rank 0 streams the weights one tensor at a time (always on for --preset large)");
   app.add_option("--steps", settings.steps, "Optimizer steps")->check(positive_value())->capture_default_str();
   app.add_option("--seed", settings.seed, "Seed of weights, data order and sampling")->capture_default_str();
   app.add_option("--global-batch-size", settings.global_batch_size, "Sequences per optimizer step, all ranks together")
-      ->check(positive_value())->capture_default_str();
+      ->check(positive_value())
+      ->capture_default_str();
   app.add_option("--micro-batch-size", settings.micro_batch_size,
                  "Sequences per rank per forward; fewer than global/ranks accumulates gradients (0: global/ranks)")
       ->check(non_negative_value())
       ->capture_default_str();
-  app.add_option("--seq-len", settings.seq_len, "Tokens (bytes) per sequence")->check(positive_value())->capture_default_str();
+  app.add_option("--seq-len", settings.seq_len, "Tokens (bytes) per sequence")
+      ->check(positive_value())
+      ->capture_default_str();
   app.add_option("--lr", settings.lr, "Peak learning rate")->check(positive_value())->capture_default_str();
-  app.add_option("--min-lr", settings.min_lr, "Learning rate at the end of the cosine decay")->check(non_negative_value())->capture_default_str();
-  app.add_option("--warmup-steps", settings.warmup_steps, "Linear warmup steps")->check(non_negative_value())->capture_default_str();
-  app.add_option("--weight-decay", settings.weight_decay, "AdamW weight decay")->check(non_negative_value())->capture_default_str();
-  app.add_option("--max-grad-norm", settings.max_grad_norm, "Gradient clipping norm")->check(positive_value())->capture_default_str();
-  app.add_option("--eval-every", settings.eval_every, "Evaluate every K steps (and at the end)")->check(non_negative_value())->capture_default_str();
-  app.add_option("--eval-tokens", settings.eval_tokens, "Bytes of evaluation text")->check(positive_value())->capture_default_str();
-  app.add_option("--output-dir", settings.output_dir, "Metrics, plot, checkpoints and final model")->capture_default_str();
-  app.add_option("--checkpoint-every", settings.checkpoint_every, "Save a checkpoint every K steps (0: only at the end)")
-      ->check(non_negative_value())->capture_default_str();
+  app.add_option("--min-lr", settings.min_lr, "Learning rate at the end of the cosine decay")
+      ->check(non_negative_value())
+      ->capture_default_str();
+  app.add_option("--warmup-steps", settings.warmup_steps, "Linear warmup steps")
+      ->check(non_negative_value())
+      ->capture_default_str();
+  app.add_option("--weight-decay", settings.weight_decay, "AdamW weight decay")
+      ->check(non_negative_value())
+      ->capture_default_str();
+  app.add_option("--max-grad-norm", settings.max_grad_norm, "Gradient clipping norm")
+      ->check(positive_value())
+      ->capture_default_str();
+  app.add_option("--eval-every", settings.eval_every, "Evaluate every K steps (and at the end)")
+      ->check(non_negative_value())
+      ->capture_default_str();
+  app.add_option("--eval-tokens", settings.eval_tokens, "Bytes of evaluation text")
+      ->check(positive_value())
+      ->capture_default_str();
+  app.add_option("--output-dir", settings.output_dir, "Metrics, plot, checkpoints and final model")
+      ->capture_default_str();
+  app.add_option("--checkpoint-every", settings.checkpoint_every,
+                 "Save a checkpoint every K steps (0: only at the end)")
+      ->check(non_negative_value())
+      ->capture_default_str();
   app.add_flag("--async-checkpoint", settings.async_checkpoint,
                "Write checkpoints on a background thread while training continues (SHARDED_STATE_DICT only); each "
                "counts once every rank's files are written, and the last is finished before the run ends");
-  app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")->check(non_negative_value())->capture_default_str();
+  app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")
+      ->check(non_negative_value())
+      ->capture_default_str();
   app.add_option("--resume-from", settings.resume_from, "A checkpoint directory, or 'latest' in --output-dir");
   app.add_option("--init-from", settings.init_from, "A Hugging Face directory (model.safetensors + config.json)");
   app.add_option("--data", settings.data, "Training text (default: the license texts in /usr/share/common-licenses)");
   app.add_option("--eval-data", settings.eval_data, "Evaluation text (default: the last tenth of the training text)");
   app.add_flag("--eval-only", settings.eval_only,
                "Print eval_loss=<float> for --init-from on the first --eval-tokens bytes of --data, and exit");
-  app.add_option("--stop-after", settings.stop_after, "Save a checkpoint and stop after this step (to resume later)")->check(non_negative_value());
-  app.add_flag("--skip-nonfinite-steps", settings.skip_nonfinite_steps,
-               "Skip an optimizer step whose loss or gradient norm is NaN or infinite, instead of stopping with an error");
-  app.add_option("--sample-bytes", settings.sample_bytes, "Bytes of text to sample at the end")->check(non_negative_value())->capture_default_str();
+  app.add_option("--stop-after", settings.stop_after, "Save a checkpoint and stop after this step (to resume later)")
+      ->check(non_negative_value());
+  app.add_flag(
+      "--skip-nonfinite-steps", settings.skip_nonfinite_steps,
+      "Skip an optimizer step whose loss or gradient norm is NaN or infinite, instead of stopping with an error");
+  app.add_option("--sample-bytes", settings.sample_bytes, "Bytes of text to sample at the end")
+      ->check(non_negative_value())
+      ->capture_default_str();
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& error) {
@@ -641,8 +677,10 @@ int main(int argc, char** argv) {
                 "train_llama computes on the CPU only; FSDP_DEVICE=cuda is not supported by it yet (the engine and "
                 "bench/gpu_bench run on GPUs). Unset FSDP_DEVICE");
     if (requested_device == nullptr && fsdp::cuda_device_count() > 0) {
-      if (context.is_main_process()) std::cerr << "train_llama: note: computing on the CPU (GPUs are visible, but "
-                                                  "train_llama does not use them yet)" << std::endl;
+      if (context.is_main_process())
+        std::cerr << "train_llama: note: computing on the CPU (GPUs are visible, but "
+                     "train_llama does not use them yet)"
+                  << std::endl;
       ::setenv("FSDP_DEVICE", "cpu", 1);
     }
     return settings.eval_only ? evaluate_only(settings, context) : train(settings, context);

@@ -1,16 +1,16 @@
 #include "train_llama/report.h"
 
 #include <c10/util/Exception.h>
-#include <nlohmann/json.hpp>
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <nlohmann/json.hpp>
 #include <sstream>
-#include <sys/resource.h>
-#include <unistd.h>
 
 namespace train_llama {
 
@@ -18,8 +18,11 @@ namespace {
 
 /// One metrics.jsonl line.
 std::string metrics_line(const StepMetrics& metrics) {
-  nlohmann::json value = {{"step", metrics.step}, {"loss", metrics.loss}, {"lr", metrics.lr},
-                          {"grad_norm", metrics.grad_norm}, {"tokens_per_s", metrics.tokens_per_s},
+  nlohmann::json value = {{"step", metrics.step},
+                          {"loss", metrics.loss},
+                          {"lr", metrics.lr},
+                          {"grad_norm", metrics.grad_norm},
+                          {"tokens_per_s", metrics.tokens_per_s},
                           {"peak_rss_mb", metrics.peak_rss_mb}};
   if (metrics.eval_loss) value["eval_loss"] = *metrics.eval_loss;
   return value.dump();
@@ -102,14 +105,15 @@ void write_loss_curve(const std::string& path, const std::vector<StepMetrics>& m
     }
   }
   svg << "<text x='" << width - right << "' y='" << top + 14 << "' text-anchor='end' font-family='sans-serif' "
-      << "font-size='12'><tspan fill='steelblue'>train loss</tspan>  <tspan fill='darkorange'>eval loss</tspan></text>\n"
+      << "font-size='12'><tspan fill='steelblue'>train loss</tspan>  <tspan fill='darkorange'>eval "
+         "loss</tspan></text>\n"
       << "<text x='" << width / 2 << "' y='" << height - 12 << "' text-anchor='middle' font-family='sans-serif' "
       << "font-size='12'>optimizer step</text>\n</svg>\n";
   std::ofstream(path) << svg.str();
 }
 
 double peak_rss_mb() {
-  struct rusage usage {};
+  struct rusage usage{};
   ::getrusage(RUSAGE_SELF, &usage);
   return usage.ru_maxrss / 1024.0;
 }

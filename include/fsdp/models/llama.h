@@ -4,14 +4,13 @@
 // embeddings. Submodules are called through fsdp::forward, so any of them can be an FSDP unit.
 #pragma once
 
+#include <fsdp/fully_shard.h>
+#include <fsdp/pretrained_model.h>
 #include <torch/torch.h>
 
 #include <memory>
 #include <string>
 #include <vector>
-
-#include <fsdp/fully_shard.h>
-#include <fsdp/pretrained_model.h>
 
 namespace fsdp::models {
 

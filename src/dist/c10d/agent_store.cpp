@@ -1,12 +1,11 @@
 // See dist/agent_store.h.
 #include "dist/agent_store.h"
 
-#include "dist/c10d/internal.h"
-
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <cerrno>
 #include <cstring>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dist/c10d/internal.h"
 
 namespace fsdp::detail {
 
@@ -32,17 +31,19 @@ AgentStore::AgentStore(const std::string& address, int port, bool host, std::chr
     std::string why;
     options.masterListenFd = listen_on_address(address, port, 1024, why);
     TORCH_CHECK(options.masterListenFd.has_value(), "fsdp launch: the launchers' rendezvous store cannot listen on ",
-                endpoint_, ": ", why, ". The launcher with --node-rank 0 hosts it: give it --master-addr with an "
+                endpoint_, ": ", why,
+                ". The launcher with --node-rank 0 hosts it: give it --master-addr with an "
                 "address of its own machine and a --master-port that is free there.");
   }
   try {
     impl_->store = c10::make_intrusive<c10d::TCPStore>(address, options);
   } catch (const std::exception& error) {
     TORCH_CHECK(false, "fsdp launch: ", host ? "could not host" : "could not reach",
-                " the launchers' rendezvous store at ", endpoint_, " within ", timeout.count() / 1000.0, " s: ",
-                error.what(), host ? ". Pick another --master-port." :
-                ". The launcher with --node-rank 0 hosts it: check that it is running, that --master-addr and "
-                "--master-port point at it, and that the port is reachable from this machine.");
+                " the launchers' rendezvous store at ", endpoint_, " within ", timeout.count() / 1000.0,
+                " s: ", error.what(),
+                host ? ". Pick another --master-port."
+                     : ". The launcher with --node-rank 0 hosts it: check that it is running, that --master-addr and "
+                       "--master-port point at it, and that the port is reachable from this machine.");
   }
 }
 
@@ -57,8 +58,9 @@ auto guarded(const std::string& endpoint, const std::string& what, Operation ope
   try {
     return operation();
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, "fsdp launch: the launchers' rendezvous store at ", endpoint, " failed (", what, "): ",
-                error.what(), ". It lives in the launcher with --node-rank 0; without it the job cannot go on (as "
+    TORCH_CHECK(false, "fsdp launch: the launchers' rendezvous store at ", endpoint, " failed (", what,
+                "): ", error.what(),
+                ". It lives in the launcher with --node-rank 0; without it the job cannot go on (as "
                 "with torchrun's c10d rendezvous). Restart the job once that machine is back (train_llama "
                 "--resume-from latest continues from the last complete checkpoint).");
   }
@@ -82,11 +84,11 @@ int64_t AgentStore::add(const std::string& key, int64_t delta) {
 }
 
 std::string AgentStore::set_if_absent(const std::string& key, const std::string& value) {
-  TORCH_INTERNAL_ASSERT(!value.empty(), "set_if_absent needs a non-empty value (c10d's compareSet reads an empty "
-                                        "expected value as 'absent')");
+  TORCH_INTERNAL_ASSERT(!value.empty(),
+                        "set_if_absent needs a non-empty value (c10d's compareSet reads an empty "
+                        "expected value as 'absent')");
   return guarded(endpoint_, "compare-set " + key,
                  [&] { return text_of(impl_->store->compareSet(key, {}, bytes_of(value))); });
 }
-
 
 }  // namespace fsdp::detail

@@ -2,6 +2,9 @@
 // headers (through dist/c10d/internal.h), so a new backend changes that directory alone.
 #pragma once
 
+#include <fsdp/distributed_environment.h>
+#include <fsdp/process_group.h>
+
 #include <atomic>
 #include <chrono>
 #include <map>
@@ -9,9 +12,6 @@
 #include <mutex>
 #include <string>
 #include <vector>
-
-#include <fsdp/distributed_environment.h>
-#include <fsdp/process_group.h>
 
 namespace fsdp::detail {
 

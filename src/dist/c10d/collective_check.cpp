@@ -1,28 +1,33 @@
 // Note [Collective check] (docs/design.md): every collective's header travels beside its data, and
 // its data travels on a slot that carries a digest of the header.
-#include "dist/c10d/internal.h"
-#include "dist/activity.h"
-
 #include <cstring>
 #include <optional>
 #include <sstream>
+
+#include "dist/activity.h"
+#include "dist/c10d/internal.h"
 
 namespace fsdp::detail {
 namespace {
 
 const char* kind_name(int64_t kind) {
   switch (static_cast<CollectiveKind>(kind)) {
-    case CollectiveKind::kAllGather: return "all_gather";
-    case CollectiveKind::kReduceScatter: return "reduce_scatter";
-    case CollectiveKind::kAllReduce: return "all_reduce";
-    case CollectiveKind::kBroadcast: return "broadcast";
-    case CollectiveKind::kBarrier: return "barrier";
+    case CollectiveKind::kAllGather:
+      return "all_gather";
+    case CollectiveKind::kReduceScatter:
+      return "reduce_scatter";
+    case CollectiveKind::kAllReduce:
+      return "all_reduce";
+    case CollectiveKind::kBroadcast:
+      return "broadcast";
+    case CollectiveKind::kBarrier:
+      return "barrier";
   }
   return "an unknown operation";
 }
 
 constexpr int64_t kHeaderBytes = 256;
-constexpr int64_t kHeaderWords = 6;  // magic, kind, numel, dtype, root or op, reserved
+constexpr int64_t kHeaderWords = 6;                      // magic, kind, numel, dtype, root or op, reserved
 constexpr int64_t kHeaderMagic = 0x66736470'6672616dLL;  // "fsdpfram"
 constexpr int64_t kHeaderTextBytes = kHeaderBytes - kHeaderWords * 8;
 
@@ -39,7 +44,7 @@ struct Header {
   int64_t kind = 0;
   int64_t numel = 0;
   int64_t dtype = 0;
-  int64_t detail = 0;  // the root of a broadcast, the reduce op of a reduction
+  int64_t detail = 0;    // the root of a broadcast, the reduce op of a reduction
   std::string activity;  // what the collective is for (src/dist/activity.h), cut to fit
 
   bool same_operation(const Header& other) const {
@@ -172,8 +177,9 @@ void verify_check(CollectiveCheck& check, std::chrono::milliseconds timeout) {
     differences += "; rank " + std::to_string(check.global_ranks[static_cast<size_t>(peer)]) + " issued " +
                    (header ? header->text() : std::string("something that is not an fsdp.cpp collective"));
   }
-  TORCH_CHECK(differences.empty(), "[rank ", check.global_ranks[static_cast<size_t>(check.rank)], "] the ranks of group '",
-              check.group_name, "' issued different collectives: this rank issued ", own->text(), differences,
+  TORCH_CHECK(differences.empty(), "[rank ", check.global_ranks[static_cast<size_t>(check.rank)],
+              "] the ranks of group '", check.group_name, "' issued different collectives: this rank issued ",
+              own->text(), differences,
               ". Every rank must run the same units, in the same order, with the same shapes: a branch that "
               "only some ranks take, or ranks built from different models or settings, leads here");
   check.verified = true;

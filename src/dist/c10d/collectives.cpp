@@ -1,16 +1,14 @@
 // The collectives of include/fsdp/collectives.h: Note [Collectives on Gloo] (docs/design.md) says
 // what each is built from, Note [Collective check] how ranks that issued different ones are named,
 // and Note [The GPU path] how CUDA tensors take NCCL instead (dist/c10d/nccl.cpp).
-#include "dist/c10d/internal.h"
-
-#include <fsdp/collectives.h>
-
 #include <ATen/core/grad_mode.h>
 #include <c10/core/InferenceMode.h>
+#include <fsdp/collectives.h>
 
 #include <cmath>
 #include <sstream>
 
+#include "dist/c10d/internal.h"
 #include "dist/collective_algorithm.h"
 #include "memory/buffer_pool.h"
 
@@ -18,8 +16,7 @@ namespace fsdp {
 namespace detail {
 
 void wait_works(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::vector<int64_t>& peers,
-                const std::vector<int64_t>& others, const std::string& description,
-                std::chrono::milliseconds timeout) {
+                const std::vector<int64_t>& others, const std::string& description, std::chrono::milliseconds timeout) {
   for (size_t index = 0; index < works.size(); ++index) {
     try {
       works[index]->wait();
@@ -38,8 +35,8 @@ void wait_works(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const 
       }
       TORCH_CHECK(false, description, " failed", peer, ": ", error.what(),
                   ". A peer rank probably exited or stopped calling collectives in the same order; read the other "
-                  "ranks' logs. (Collective timeout: ", timeout.count() / 1000.0,
-                  " s, set with FSDP_COLLECTIVE_TIMEOUT.)");
+                  "ranks' logs. (Collective timeout: ",
+                  timeout.count() / 1000.0, " s, set with FSDP_COLLECTIVE_TIMEOUT.)");
     }
   }
 }
@@ -55,7 +52,6 @@ c10d::ReduceOp to_c10d(ReduceOp op) {
   }
   TORCH_INTERNAL_ASSERT(false, "unknown ReduceOp");
 }
-
 
 }  // namespace detail
 
@@ -90,8 +86,8 @@ void check_buffer(const ProcessGroupState& group, const char* operation, const c
 
 void check_divide_factor(const ProcessGroupState& group, const char* name, double factor, const at::Tensor& tensor) {
   if (factor == 1.0) return;
-  TORCH_CHECK(std::isfinite(factor) && factor > 0, "[rank ", group.global_rank, "] reduce_scatter: ", name, "=",
-              factor, " must be a positive finite number.");
+  TORCH_CHECK(std::isfinite(factor) && factor > 0, "[rank ", group.global_rank, "] reduce_scatter: ", name, "=", factor,
+              " must be a positive finite number.");
   TORCH_CHECK(at::isFloatingType(tensor.scalar_type()), "[rank ", group.global_rank, "] reduce_scatter: ", name, "=",
               factor, " needs a floating dtype but the buffer is ", tensor.scalar_type(), "; use 1 for integers.");
 }
@@ -348,8 +344,8 @@ CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tens
   check_buffer(group, "all_gather", "output", output);
   check_buffer(group, "all_gather", "input", input);
   check_same_device(group, "all_gather", output, input);
-  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank,
-              "] all_gather: output dtype ", output.scalar_type(), " differs from input dtype ", input.scalar_type(), ".");
+  TORCH_CHECK(output.scalar_type() == input.scalar_type(), "[rank ", group.global_rank, "] all_gather: output dtype ",
+              output.scalar_type(), " differs from input dtype ", input.scalar_type(), ".");
   TORCH_CHECK(output.numel() == input.numel() * group.size, "[rank ", group.global_rank, "] all_gather on group '",
               group.name, "': output has ", output.numel(), " elements but expected ", group.size, " ranks x ",
               input.numel(), " = ", input.numel() * group.size, "; pad shards to equal size.");
@@ -478,8 +474,7 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
     const bool as_uint8 = tensor.scalar_type() == at::kBool;
     std::vector<at::Tensor> tensors{as_uint8 ? tensor.to(at::kByte) : tensor};
     c10d::AllreduceOptions options;
-    options.reduceOp =
-        as_uint8 && op == ReduceOp::kSum ? c10d::ReduceOp(c10d::ReduceOp::MAX) : detail::to_c10d(op);
+    options.reduceOp = as_uint8 && op == ReduceOp::kSum ? c10d::ReduceOp(c10d::ReduceOp::MAX) : detail::to_c10d(op);
     pending.works.push_back(detail::nccl_all_reduce(group, tensors, options));
     group.bytes_all_reduce += 2 * (group.size - 1) * bytes / group.size;
     if (as_uint8) pending.finish = [tensor, copy = tensors.front()] { tensor.copy_(copy); };
@@ -496,15 +491,15 @@ CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tens
       // issues it, in issue order, when the headers have arrived.
       auto promise = std::make_shared<std::promise<c10::intrusive_ptr<c10d::Work>>>();
       pending.deferred = promise->get_future().share();
-      group.backend->issue_queue.push(
-          [check = issued.check, promise, tensors, options, timeout = group.timeout, gloo_group = group.backend->group]() mutable {
-            try {
-              detail::verify_check(*check, timeout);
-              promise->set_value(gloo_group->allreduce(tensors, options));
-            } catch (...) {
-              promise->set_exception(std::current_exception());
-            }
-          });
+      group.backend->issue_queue.push([check = issued.check, promise, tensors, options, timeout = group.timeout,
+                                       gloo_group = group.backend->group]() mutable {
+        try {
+          detail::verify_check(*check, timeout);
+          promise->set_value(gloo_group->allreduce(tensors, options));
+        } catch (...) {
+          promise->set_exception(std::current_exception());
+        }
+      });
     } else {
       pending.works.push_back(detail::gloo(group).allreduce(tensors, options));
     }

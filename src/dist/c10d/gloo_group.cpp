@@ -2,11 +2,10 @@
 // made of (Note [Collectives on Gloo], docs/design.md), and the queue that issues Gloo's own
 // collectives once the collective check has passed (Note [Collective check]) and runs the direct
 // all-reduce (Note [Algorithms by measurement]).
-#include "dist/c10d/internal.h"
-
+#include <algorithm>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 
-#include <algorithm>
+#include "dist/c10d/internal.h"
 
 namespace fsdp::detail {
 
@@ -35,9 +34,10 @@ std::shared_ptr<ProcessGroupState> create_process_group(const std::shared_ptr<Ba
     backend->group = c10::make_intrusive<c10d::ProcessGroupGloo>(prefixed, static_cast<int>(state->rank),
                                                                  static_cast<int>(state->size), options);
   } catch (const std::exception& error) {
-    TORCH_CHECK(false, "[rank ", environment.rank, "] rendezvous: creating process group '", name, "' of ",
-                state->size, " ranks failed: ", error.what(),
-                ". Every member must start with the same WORLD_SIZE and LOCAL_WORLD_SIZE; check the other ranks' logs.");
+    TORCH_CHECK(
+        false, "[rank ", environment.rank, "] rendezvous: creating process group '", name, "' of ", state->size,
+        " ranks failed: ", error.what(),
+        ". Every member must start with the same WORLD_SIZE and LOCAL_WORLD_SIZE; check the other ranks' logs.");
   }
   backend->store = prefixed;
   state->backend = std::move(backend);
@@ -84,9 +84,9 @@ c10::intrusive_ptr<c10d::Work> post_receive(ProcessGroupState& group, at::Tensor
   }
 }
 
-std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupState& group, int tag,
-                                                                const std::function<at::Tensor(int64_t)>& sent_chunk,
-                                                                const std::function<at::Tensor(int64_t)>& received_chunk) {
+std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(
+    ProcessGroupState& group, int tag, const std::function<at::Tensor(int64_t)>& sent_chunk,
+    const std::function<at::Tensor(int64_t)>& received_chunk) {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   works.reserve(static_cast<size_t>(2 * (group.size - 1)));
   for (int64_t offset = 1; offset < group.size; ++offset) {

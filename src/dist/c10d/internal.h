@@ -3,13 +3,7 @@
 // c10d is reached only from here (docs/architecture.md).
 #pragma once
 
-#include "dist/c10d/backend.h"
-
 #include <fsdp/collectives.h>
-
-#include <torch/csrc/distributed/c10d/Backend.hpp>
-#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
-#include <torch/csrc/distributed/c10d/Types.hpp>
 
 #include <condition_variable>
 #include <deque>
@@ -17,6 +11,11 @@
 #include <future>
 #include <optional>
 #include <thread>
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroupGloo.hpp>
+#include <torch/csrc/distributed/c10d/Types.hpp>
+
+#include "dist/c10d/backend.h"
 
 namespace fsdp::detail {
 
@@ -97,9 +96,9 @@ c10::intrusive_ptr<c10d::Work> post_receive(ProcessGroupState& group, at::Tensor
 
 /// Posts, for every peer, a receive into `received_chunk(peer)` and then, for every peer, a send of
 /// `sent_chunk(peer)`, all on `tag`: receives first, in exchange_peers() order, then sends.
-std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(ProcessGroupState& group, int tag,
-                                                                const std::function<at::Tensor(int64_t)>& sent_chunk,
-                                                                const std::function<at::Tensor(int64_t)>& received_chunk);
+std::vector<c10::intrusive_ptr<c10d::Work>> exchange_with_peers(
+    ProcessGroupState& group, int tag, const std::function<at::Tensor(int64_t)>& sent_chunk,
+    const std::function<at::Tensor(int64_t)>& received_chunk);
 
 /// The global rank of each work exchange_with_peers returns, in its order.
 std::vector<int64_t> exchange_peers(const ProcessGroupState& group);
@@ -137,8 +136,7 @@ void verify_check(CollectiveCheck& check, std::chrono::milliseconds timeout);
 /// Waits for `works` in order, rethrowing a failure with the description and the peer (the error
 /// of CollectiveWork::wait()).
 void wait_works(const std::vector<c10::intrusive_ptr<c10d::Work>>& works, const std::vector<int64_t>& peers,
-                const std::vector<int64_t>& others, const std::string& description,
-                std::chrono::milliseconds timeout);
+                const std::vector<int64_t>& others, const std::string& description, std::chrono::milliseconds timeout);
 
 c10d::ReduceOp to_c10d(ReduceOp op);
 

@@ -1,10 +1,11 @@
 // Note [The GPU path] (docs/design.md): the NCCL half of a group, for CUDA tensors. CMake compiles
 // this file into a build against a CUDA libtorch and no_nccl.cpp into any other.
-#include "dist/c10d/internal.h"
-
 #include <c10/core/DeviceGuard.h>
+
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroupNCCL.hpp>
+
+#include "dist/c10d/internal.h"
 
 namespace fsdp::detail {
 namespace {

@@ -1,10 +1,5 @@
 // The rendezvous store that every group of a job is made from: c10d's TCPStore, hosted by rank 0
 // (or by torchrun's agent), and the Gloo transport device the groups share.
-#include "dist/c10d/internal.h"
-
-#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
-#include <torch/csrc/distributed/c10d/TCPStore.hpp>
-
 #include <netdb.h>
 #include <sys/socket.h>
 #include <unistd.h>
@@ -15,13 +10,15 @@
 #include <cstdlib>
 #include <cstring>
 #include <optional>
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+#include <torch/csrc/distributed/c10d/TCPStore.hpp>
+
+#include "dist/c10d/internal.h"
 
 namespace fsdp::detail {
 namespace {
 
-bool is_loopback(const std::string& host) {
-  return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1";
-}
+bool is_loopback(const std::string& host) { return host == "localhost" || host.rfind("127.", 0) == 0 || host == "::1"; }
 
 std::shared_ptr<::gloo::transport::Device> create_device(const DistributedEnvironment& environment) {
   if (const char* interface = std::getenv("GLOO_SOCKET_IFNAME"); interface != nullptr && *interface != '\0') {
@@ -53,7 +50,8 @@ std::optional<int> listen_on_address(const std::string& address, int port, int64
   }
   std::optional<int> result;
   for (auto* candidate = found; candidate && !result; candidate = candidate->ai_next) {
-    const int descriptor = ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
+    const int descriptor =
+        ::socket(candidate->ai_family, candidate->ai_socktype | SOCK_CLOEXEC, candidate->ai_protocol);
     if (descriptor < 0) continue;
     const int yes = 1;
     ::setsockopt(descriptor, SOL_SOCKET, SO_REUSEADDR, &yes, sizeof(yes));
@@ -74,7 +72,7 @@ std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironm
   // action ends this process without a word (exit 141) before Gloo can report which peer failed.
   // Python, and so PyTorch, ignores SIGPIPE from the start; a C++ program has the default, so it is
   // ignored here, unless the program chose its own disposition.
-  struct sigaction current {};
+  struct sigaction current{};
   if (::sigaction(SIGPIPE, nullptr, &current) == 0 && current.sa_handler == SIG_DFL &&
       (current.sa_flags & SA_SIGINFO) == 0) {
     ::signal(SIGPIPE, SIG_IGN);
@@ -89,8 +87,8 @@ std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironm
   const double timeout_seconds = environment.timeout.count() / 1000.0;
   if (options.isServer) {
     std::string why;
-    options.masterListenFd = listen_on_address(environment.master_addr, environment.master_port,
-                                               environment.world_size + 16, why);
+    options.masterListenFd =
+        listen_on_address(environment.master_addr, environment.master_port, environment.world_size + 16, why);
     // A port already taken is reported by TCPStore below, as before.
     if (!options.masterListenFd && why.find(std::strerror(EADDRINUSE)) == std::string::npos) {
       TORCH_WARN("[rank 0] rendezvous: the store cannot listen on MASTER_ADDR=", environment.master_addr, " (", why,
@@ -106,12 +104,13 @@ std::shared_ptr<BackendStore> connect_rendezvous_store(const DistributedEnvironm
                   environment.master_port, " for ", environment.world_size, " ranks within ", timeout_seconds,
                   " s: ", error.what(),
                   ". If the port is in use, pick another MASTER_PORT (`fsdp launch --master-port 0` picks a free "
-                  "one); if ranks are missing, check that all ", environment.world_size,
+                  "one); if ranks are missing, check that all ",
+                  environment.world_size,
                   " processes were started with the same MASTER_ADDR, MASTER_PORT and WORLD_SIZE.");
     }
     TORCH_CHECK(false, "[rank ", environment.rank, "] rendezvous: could not reach the master at ",
-                environment.master_addr, ":", environment.master_port, " within ", timeout_seconds, " s: ",
-                error.what(),
+                environment.master_addr, ":", environment.master_port, " within ", timeout_seconds,
+                " s: ", error.what(),
                 ". Check that rank 0 is running, that MASTER_ADDR/MASTER_PORT point at it, and that the port is "
                 "reachable from this machine (FSDP_COLLECTIVE_TIMEOUT sets the timeout).");
   }
