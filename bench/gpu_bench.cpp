@@ -58,8 +58,8 @@ int main(int argc, char** argv) {
     int64_t parameters = 0;
     for (const auto& parameter : model->parameters()) parameters += parameter.numel();
     fsdp::FullyShardOptions options;
-    options.mixed_precision.param_dtype = torch::kBFloat16;
-    options.mixed_precision.reduce_dtype = torch::kFloat;
+    options.mp_policy.param_dtype = torch::kBFloat16;
+    options.mp_policy.reduce_dtype = torch::kFloat;
     for (auto& layer : model->model->decoder_layers) fsdp::fully_shard(layer.ptr(), context, options);
     fsdp::fully_shard(model.ptr(), context, options);
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-4));

@@ -96,7 +96,7 @@ int main(int argc, char** argv) {
     }
   }
   try {
-    const int64_t bytes = fsdp::parse_byte_size(size);
+    const int64_t bytes = fsdp::detail::parse_byte_size(size);
     const auto sharded = directory + "/pytorch_model_fsdp_0";
     if (generating) {
       generate(sharded, bytes, format);

@@ -297,9 +297,9 @@ int main(int argc, char** argv) {
     if (!single) {
       fsdp::FullyShardOptions options;
       options.sharding_strategy = fsdp::parse_sharding_strategy(strategy, "--strategy", "the command line");
-      options.forward_prefetch = prefetch == "on";
-      if (param_init) options.param_init_fn = param_init;
-      if (prefetch != "on") options.backward_prefetch.reset();
+      options.fsdp1.forward_prefetch = prefetch == "on";
+      if (param_init) options.fsdp1.param_init_fn = param_init;
+      if (prefetch != "on") options.fsdp1.backward_prefetch.reset();
       auto block_options = options;
       if (reshard_group > 0) block_options.reshard_after_forward = reshard_group;
       for (auto& unit : units) fsdp::fully_shard(unit, context, block_options);

@@ -197,12 +197,19 @@ if [[ "$fsdp_sanitize" == 1 ]]; then
   build_arguments=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DFSDP_SANITIZE=ON)
 fi
 if ((!for_run)); then
-  # The save fault test's hook (Note [fault injection in saves]), for the tests' build only.
-  build_arguments+=(-DFSDP_FAULT_INJECTION=ON)
-  if [[ -f "$cache" ]] && ! grep -qx "FSDP_FAULT_INJECTION:BOOL=ON" "$cache"; then
-    cmake -S "$root" -B "$build_dir" -DFSDP_FAULT_INJECTION=ON >/dev/null ||
-      fail "CMake could not turn on FSDP_FAULT_INJECTION in $build_dir (its error is above)."
-  fi
+  # The save fault test's hook (Note [fault injection in saves]), for the tests' build only; and
+  # warnings as errors there, except under the sanitizers, whose -O1 gives GCC's flow analysis
+  # false positives (-Wmaybe-uninitialized) that a user's build must not fail on.
+  test_options=(-DFSDP_FAULT_INJECTION=ON)
+  [[ "$fsdp_sanitize" == 1 ]] || test_options+=(-DFSDP_WERROR=ON)
+  build_arguments+=("${test_options[@]}")
+  for option in "${test_options[@]}"; do
+    setting="${option#-D}"
+    if [[ -f "$cache" ]] && ! grep -qx "${setting%%=*}:BOOL=ON" "$cache"; then
+      cmake -S "$root" -B "$build_dir" "$option" >/dev/null ||
+        fail "CMake could not turn on ${setting%%=*} in $build_dir (its error is above)."
+    fi
+  done
 fi
 if [[ ! -f "$cache" ]]; then
   cmake -S "$root" -B "$build_dir" -G Ninja "${build_arguments[@]}" \

@@ -35,6 +35,11 @@ struct AcceleratorOptions {
   /// process instead of staying in malloc's heap, for about 10% more step time here (page faults).
   /// Process-wide. Default: false.
   bool limit_retained_host_memory = false;
+  /// Compute on the CPU even where GPUs are visible (Accelerate's cpu=True): device() is the CPU and
+  /// prepare() leaves the model in host memory. The plugin's cpu_offload computes offloaded units
+  /// on default_device() (a GPU when there is one), so that combination on a machine with GPUs is
+  /// an error naming both. Default: false.
+  bool cpu = false;
 };
 
 /// How Accelerator::save_state saves.
@@ -187,6 +192,7 @@ class Accelerator {
   void rotate_checkpoints();
   std::string project_dir_;
   int64_t total_limit_ = 0;
+  bool cpu_ = false;
   std::unique_ptr<AsyncCheckpointer> async_checkpointer_;
   /// The asynchronous save in flight was an automatic one: rotate when it finishes.
   bool rotate_after_finish_ = false;

@@ -51,24 +51,6 @@ class ParamGroup;
 ParamGroup& group_of(const FSDPModule& module);
 }  // namespace detail
 
-/// One managed parameter as state dicts, tools and tests see it: the engine's API for checkpoints,
-/// which never see the unit's internals.
-struct ShardedParameterInfo {
-  /// Name relative to the unit's first module.
-  std::string name;
-  /// The registered parameter (its data is the local shard between steps).
-  at::Tensor parameter;
-  ShardLayout layout;
-  /// The parameter's dtype as stored (mixed precision computes in another).
-  c10::ScalarType original_dtype = c10::kFloat;
-  /// This rank's padded shard (1-D, layout.numel_padded_shard elements). The engine's own storage:
-  /// copying into it while the unit is resharded loads this rank's shard, padding included.
-  at::Tensor sharded_padded;
-  /// This rank's rows (layout.sharded_sizes), a view of sharded_padded: copying into it while the
-  /// unit is resharded loads them.
-  at::Tensor sharded_data;
-};
-
 /// A handle to one FSDP unit (FSDP2's FSDPModule methods). Cheap to copy.
 class FSDPModule {
  public:
@@ -99,7 +81,6 @@ class FSDPModule {
   /// Decides the root of this unit's tree now instead of at the first forward.
   void lazy_init() const;
   ShardingStrategy sharding_strategy() const;
-  std::vector<ShardedParameterInfo> sharded_parameters() const;
   /// Bytes held by the unsharded parameter buffer right now (0 while sharded).
   int64_t unsharded_buffer_bytes() const;
   /// How errors name this unit.
@@ -125,6 +106,32 @@ FSDPModule fully_shard(const std::shared_ptr<torch::nn::Module>& module, const D
 /// head; its forward starts at the first of them to run.
 FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& modules,
                        const DistributedContext& context, const FullyShardOptions& options = {});
+
+namespace detail {
+// Not part of the API (detail): the engine's storage of a unit's shards, for the checkpoint layer
+// (state dicts load into it) and the tests. A program writing into it while the unit is unsharded
+// would corrupt it; state_dict.h is the supported way in and out.
+/// One managed parameter as state dicts and tests see it: the engine's interface for checkpoints,
+/// which never see the unit's internals.
+struct ShardedParameterInfo {
+  /// Name relative to the unit's first module.
+  std::string name;
+  /// The registered parameter (its data is the local shard between steps).
+  at::Tensor parameter;
+  ShardLayout layout;
+  /// The parameter's dtype as stored (mixed precision computes in another).
+  c10::ScalarType original_dtype = c10::kFloat;
+  /// This rank's padded shard (1-D, layout.numel_padded_shard elements). The engine's own storage:
+  /// copying into it while the unit is resharded loads this rank's shard, padding included.
+  at::Tensor sharded_padded;
+  /// This rank's rows (layout.sharded_sizes), a view of sharded_padded: copying into it while the
+  /// unit is resharded loads them.
+  at::Tensor sharded_data;
+};
+
+/// The unit's managed parameters, in its order.
+std::vector<ShardedParameterInfo> sharded_parameters(const FSDPModule& unit);
+}  // namespace detail
 
 /// The unit `module` belongs to as one of its modules, if any.
 std::optional<FSDPModule> fsdp_module_of(const torch::nn::Module& module);

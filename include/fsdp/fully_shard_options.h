@@ -13,31 +13,10 @@
 
 namespace fsdp {
 
-/// Options for `fully_shard`. Check them with `validate`.
-struct FullyShardOptions {
-  /// Which ranks shard and which replicate: FULL_SHARD and SHARD_GRAD_OP shard over the world,
-  /// NO_SHARD replicates over the world (gradients all-reduced), HYBRID_SHARD and
-  /// HYBRID_SHARD_ZERO2 shard inside a machine and replicate across machines.
-  /// Default: FULL_SHARD.
-  ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
-  /// Free the unsharded parameters after forward and all-gather them again in backward (true), keep
-  /// them (false), or keep them sharded over groups of k consecutive ranks (an integer k: hpZ), see
-  /// ReshardAfterForward. Default: unset, meaning the strategy's choice (FULL_SHARD, HYBRID_SHARD:
-  /// true) for every unit except the root, which keeps them because backward starts with it
-  /// (FSDP2's `None`).
-  std::optional<ReshardAfterForward> reshard_after_forward;
-  /// param_dtype (all-gather and compute), reduce_dtype (gradient reduction), output_dtype (floating
-  /// outputs of the unit's forward), cast_forward_inputs, buffer_dtype (buffers of managed modules).
-  /// Default: no casts.
-  MixedPrecisionPolicy mixed_precision;
-  /// CPU offload of sharded parameters, gradients and optimizer state (FSDP2's CPUOffloadPolicy):
-  /// shards in host memory (pinned when pin_memory and a GPU is present), the unit computing on its
-  /// parameters' GPU or on default_device(local rank), gradients moved to host memory at the end of
-  /// each backward so the optimizer steps there. Without a GPU everything is in host memory already
-  /// and it holds by construction. Default: off.
-  CpuOffloadPolicy offload;
-  /// Parameters that stay whole and unmanaged: not sharded, gradients not reduced. Default: none.
-  std::vector<at::Tensor> ignored_parameters;
+/// The knobs of FSDP1's FullyShardedDataParallel that FSDP2's fully_shard does not have. Their
+/// defaults are FSDP2's behaviour (no broadcast, the module's own initializer, FSDP2's implicit
+/// prefetching, no all-gather limit); Accelerate's FSDP1 plugin fields map onto them.
+struct Fsdp1Options {
   /// Broadcast every managed parameter and buffer from rank 0 before sharding, so ranks that
   /// initialized differently start identical (FSDP1's sync_module_states). Default: false.
   bool sync_module_states = false;
@@ -66,6 +45,36 @@ struct FullyShardOptions {
   /// which allows two): a prefetch that would exceed it is not issued, and its unit is all-gathered
   /// when it runs. Unset: no limit (FSDP2). Default: unset. Must be at least 1.
   std::optional<int64_t> max_all_gathers_in_flight;
+};
+
+/// Options for `fully_shard`, with FSDP2's names (mp_policy, offload_policy, ignored_params); FSDP1's
+/// knobs are in `fsdp1`. Check them with `validate`.
+struct FullyShardOptions {
+  /// Which ranks shard and which replicate: FULL_SHARD and SHARD_GRAD_OP shard over the world,
+  /// NO_SHARD replicates over the world (gradients all-reduced), HYBRID_SHARD and
+  /// HYBRID_SHARD_ZERO2 shard inside a machine and replicate across machines (what FSDP2 says with
+  /// its device mesh: one dimension shards, a second replicates). Default: FULL_SHARD.
+  ShardingStrategy sharding_strategy = ShardingStrategy::kFullShard;
+  /// Free the unsharded parameters after forward and all-gather them again in backward (true), keep
+  /// them (false), or keep them sharded over groups of k consecutive ranks (an integer k: hpZ), see
+  /// ReshardAfterForward. Default: unset, meaning the strategy's choice (FULL_SHARD, HYBRID_SHARD:
+  /// true) for every unit except the root, which keeps them because backward starts with it
+  /// (FSDP2's `None`).
+  std::optional<ReshardAfterForward> reshard_after_forward;
+  /// param_dtype (all-gather and compute), reduce_dtype (gradient reduction), output_dtype (floating
+  /// outputs of the unit's forward), cast_forward_inputs, buffer_dtype (buffers of managed modules).
+  /// Default: no casts.
+  MixedPrecisionPolicy mp_policy;
+  /// CPU offload of sharded parameters, gradients and optimizer state (FSDP2's CPUOffloadPolicy):
+  /// shards in host memory (pinned when pin_memory and a GPU is present), the unit computing on its
+  /// parameters' GPU or on default_device(local rank), gradients moved to host memory at the end of
+  /// each backward so the optimizer steps there. Without a GPU everything is in host memory already
+  /// and it holds by construction. Default: off.
+  CpuOffloadPolicy offload_policy;
+  /// Parameters that stay whole and unmanaged: not sharded, gradients not reduced. Default: none.
+  std::vector<at::Tensor> ignored_params;
+  /// FSDP1's knobs. Default: FSDP2's behaviour.
+  Fsdp1Options fsdp1;
 };
 
 /// Throws c10::Error naming the field when the options cannot work.

@@ -1,6 +1,6 @@
 // What a model costs each rank under fully_shard, before the job runs: `fsdp estimate-memory`.
 //
-// [Note: estimating memory per rank]
+// Note [estimating memory per rank]
 // Pure arithmetic over the shapes of a model's units, with the engine's own shard math
 // (shard_layout.h) and its own collectives, so the figures are what the engine allocates and sends,
 // not a rule of thumb:

@@ -53,8 +53,11 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
 MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::string& output_path,
                                const MergeOptions& options, const DistributedContext& context);
 
-/// "5GB", "500MB", "1.5GB", "64KB", "1000" (bytes); decimal units as Hugging Face uses them, and
-/// KiB/MiB/GiB. Throws naming the text otherwise.
+namespace detail {
+/// Not part of the API (detail): the CLI's reader of byte sizes (--max-shard-size, --memory-per-rank),
+/// shared with merge_bench. "5GB", "500MB", "1.5GB", "64KB", "1000" (bytes); decimal units as
+/// Hugging Face uses them, and KiB/MiB/GiB. Throws naming the text otherwise.
 int64_t parse_byte_size(const std::string& text);
+}  // namespace detail
 
 }  // namespace fsdp

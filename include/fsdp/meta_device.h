@@ -1,7 +1,7 @@
 // Building a model on the meta device and giving it values later: PyTorch's
 // `with torch.device("meta")`, `Module.to_empty` and `reset_parameters()` for libtorch modules.
 //
-// [Note: building on the meta device]
+// Note [building on the meta device]
 // libtorch has no default device, so `torch::nn::Linear(4096, 4096)` always allocates its weight on
 // CPU and initializes it. MetaDeviceGuard makes every tensor created on its thread a meta tensor
 // (shape and dtype, no memory) by adding the Meta backend to the thread's included dispatch keys

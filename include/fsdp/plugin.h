@@ -172,10 +172,6 @@ struct FullyShardedDataParallelPlugin {
 
 /// The FSDP_* variables the plugin reads (Accelerate's names), in field order.
 const std::vector<std::string>& plugin_environment_variables();
-/// FSDP_* variables read by the rest of fsdp.cpp rather than the plugin: FSDP_COLLECTIVE_TIMEOUT
-/// (the collective timeout) and the build and test scripts' settings; FSDP_TEST_* names belong to
-/// the test suite too. Any other FSDP_* variable is a warning when a plugin is resolved.
-const std::vector<std::string>& tool_environment_variables();
 
 /// Resolves `args` against `environment`. `environment_origins` may describe where an environment
 /// variable came from (e.g. "fsdp_config.fsdp_state_dict_type in accelerate.yaml"), for errors and
@@ -186,10 +182,6 @@ FullyShardedDataParallelPlugin resolve_plugin(const FullyShardedDataParallelPlug
 
 /// A strategy name (any case) or torch's number 1-5. Errors name `field`, `value` and `origin`.
 ShardingStrategy parse_sharding_strategy(const std::string& value, const std::string& field, const std::string& origin);
-
-/// Accelerate's str_to_bool: y/yes/t/true/on/1 and n/no/f/false/off/0, case-insensitive. Throws
-/// naming `what` otherwise.
-bool parse_bool(const std::string& value, const std::string& what);
 
 /// Whether FSDP was requested through ACCELERATE_USE_FSDP (any true bool string, "1" included).
 bool fsdp_enabled_by_environment(const EnvironmentMap& environment);

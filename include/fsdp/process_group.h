@@ -34,9 +34,12 @@ struct CollectiveByteCounters {
   int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + check; }
 };
 
+class ProcessGroup;
 namespace detail {
 struct ProcessGroupState;
-}
+/// Not part of the API (detail): the state behind a handle, for src/dist/ (an error when empty).
+ProcessGroupState& state_of(const ProcessGroup& group);
+}  // namespace detail
 
 class ProcessGroup {
  public:
@@ -63,9 +66,10 @@ class ProcessGroup {
   std::vector<std::string> stop_trace() const;
 
   explicit operator bool() const { return state_ != nullptr; }
-  detail::ProcessGroupState& state() const;
 
  private:
+  friend detail::ProcessGroupState& detail::state_of(const ProcessGroup& group);
+  detail::ProcessGroupState& state() const;
   std::shared_ptr<detail::ProcessGroupState> state_;
 };
 
@@ -107,25 +111,6 @@ class DistributedContext {
  private:
   std::shared_ptr<detail::RendezvousState> state_;
 };
-
-/// Which global ranks form each intra-node and cross-node group, from the layout every rank
-/// reported. Pure; throws when the reports disagree (different LOCAL_WORLD_SIZE, or a rank whose
-/// node_rank * local_world_size + local_rank is not its rank).
-struct NodeLayout {
-  int64_t local_world_size = 1;
-  int64_t num_nodes = 1;
-  /// intra_node_groups[node] = global ranks on that node.
-  std::vector<std::vector<int64_t>> intra_node_groups;
-  /// cross_node_groups[local_rank] = global ranks with that local rank.
-  std::vector<std::vector<int64_t>> cross_node_groups;
-};
-struct RankReport {
-  int64_t rank = 0;
-  int64_t local_rank = 0;
-  int64_t local_world_size = 1;
-  int64_t node_rank = 0;
-};
-NodeLayout plan_node_layout(const std::vector<RankReport>& reports);
 
 /// Raises the same error on every rank when `fields` (names and their values' text, the same names
 /// in the same order) differ across ranks: `what`, each field that differs with the ranks holding

@@ -19,6 +19,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "checkpoint/automatic_checkpoints.h"
 #include "checkpoint/hf_shards.h"
 #include "config/text.h"
 #include "dist/agreement.h"
@@ -31,7 +32,8 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
     : context_(std::move(context)),
       gradient_accumulation_steps_(options.gradient_accumulation_steps),
       project_dir_(options.project_dir),
-      total_limit_(options.total_limit) {
+      total_limit_(options.total_limit),
+      cpu_(options.cpu) {
   TORCH_CHECK(gradient_accumulation_steps_ >= 1, "Accelerator: gradient_accumulation_steps must be at least 1, got ",
               gradient_accumulation_steps_);
   TORCH_CHECK(total_limit_ >= 0, "Accelerator: total_limit must be 0 (keep all) or positive, got ", total_limit_);
@@ -48,13 +50,20 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
   // accelerators only): docs/engine.md, mixed precision.
   plugin_ = options.fsdp_plugin ? *options.fsdp_plugin
                                 : FullyShardedDataParallelPlugin(FullyShardedDataParallelPluginArgs{}, environment);
+  TORCH_CHECK(!cpu_ || !plugin_.cpu_offload.offload_params || cuda_device_count() == 0,
+              "Accelerator: cpu=true keeps the job on the CPU, but the plugin's cpu_offload (",
+              plugin_.sources.count("cpu_offload") ? plugin_.sources.at("cpu_offload") : std::string("argument"),
+              ") computes offloaded units on a GPU, and this machine has ", cuda_device_count(),
+              ". Turn one of them off");
   // As AcceleratorState does: the accelerator's precision fills a plugin that has no policy.
   if (mixed_precision_ != "no") plugin_.set_mixed_precision(mixed_precision_);
   // Accelerate's fp16 on an accelerator: a ShardedGradScaler over the whole job under FSDP.
   if (mixed_precision_ == "fp16" && device().is_cuda()) scaler_.emplace(context_.world());
 }
 
-c10::Device Accelerator::device() const { return default_device(context_.environment().local_rank); }
+c10::Device Accelerator::device() const {
+  return cpu_ ? c10::Device(c10::kCPU) : default_device(context_.environment().local_rank);
+}
 
 std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<torch::nn::Module>& model,
                                                         torch::optim::Optimizer& optimizer) {
@@ -137,7 +146,7 @@ void Accelerator::agree_on_preparation(torch::nn::Module& model, torch::optim::O
   // this rank's shard, whose size differs by rank: its unit agreed on it when it was made.
   std::unordered_set<const c10::TensorImpl*> managed;
   for (const auto& unit : fsdp_modules(model)) {
-    for (const auto& info : unit.sharded_parameters()) managed.insert(info.parameter.unsafeGetTensorImpl());
+    for (const auto& info : detail::sharded_parameters(unit)) managed.insert(info.parameter.unsafeGetTensorImpl());
   }
   for (const auto& item : model.named_parameters()) {
     ++count;
@@ -226,28 +235,6 @@ namespace {
 
 namespace fs = std::filesystem;
 
-/// The number at the end of a checkpoint directory's name (checkpoint_12 -> 12), or -1.
-int64_t checkpoint_number(const std::string& name) {
-  const std::string prefix = "checkpoint_";
-  if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size()) return -1;
-  for (size_t index = prefix.size(); index < name.size(); ++index) {
-    if (!std::isdigit(static_cast<unsigned char>(name[index]))) return -1;
-  }
-  return std::stoll(name.substr(prefix.size()));
-}
-
-std::vector<std::pair<int64_t, fs::path>> automatic_checkpoints(const std::string& project_dir) {
-  std::vector<std::pair<int64_t, fs::path>> found;
-  const auto root = fs::path(project_dir) / "checkpoints";
-  if (!fs::is_directory(root)) return found;
-  for (const auto& item : fs::directory_iterator(root)) {
-    const auto number = checkpoint_number(item.path().filename().string());
-    if (item.is_directory() && number >= 0) found.emplace_back(number, item.path());
-  }
-  std::sort(found.begin(), found.end());
-  return found;
-}
-
 }  // namespace
 
 Accelerator::AccumulateScope::AccumulateScope(Accelerator& accelerator) : accelerator_(accelerator) {
@@ -326,45 +313,12 @@ void Accelerator::save_model(const std::string& directory, int64_t max_shard_siz
   auto state = get_state_dict();
   // Every rank learns whether rank 0 managed to write the model.
   detail::run_on_every_rank(context_, [&] {
-    if (is_main_process()) {
-      fs::create_directories(directory);
-      // A previous save's files of another layout would be loaded instead (transformers prefers
-      // model.safetensors to an index).
-      for (const auto& item : fs::directory_iterator(directory)) {
-        const auto name = item.path().filename().string();
-        if (name == "model.safetensors" || name == "model.safetensors.index.json" || name == "pytorch_model.bin" ||
-            (name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos)) {
-          fs::remove(item.path());
-        }
-      }
-      int64_t total = 0;
-      for (const auto& [name, tensor] : state) total += tensor.numel() * tensor.element_size();
-      if (!safe_serialization) {
-        save_torch_file((fs::path(directory) / "pytorch_model.bin").string(), tensor_dict(state));
-      } else if (max_shard_size <= 0 || total <= max_shard_size) {
-        write_safetensors((fs::path(directory) / "model.safetensors").string(), state);
-      } else {
-        std::vector<std::pair<std::string, int64_t>> sizes;
-        for (const auto& [name, tensor] : state) sizes.emplace_back(name, tensor.numel() * tensor.element_size());
-        const auto files = detail::plan_shard_files(sizes, max_shard_size, "model");
-        // The files hold consecutive runs of the state dict, in order.
-        auto next = state.begin();
-        for (const auto& file : files) {
-          const auto end = next + static_cast<std::ptrdiff_t>(file.tensors.size());
-          write_safetensors((fs::path(directory) / file.name).string(), TensorList(next, end));
-          next = end;
-        }
-        detail::write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
-                                      detail::shard_index_json(files, total));
-      }
-    }
+    if (is_main_process()) detail::save_pretrained_files(directory, state, max_shard_size, safe_serialization);
   });
 }
 
 std::string Accelerator::save_state(const TrainingProgress& progress, const SaveStateOptions& options) {
-  const auto existing = automatic_checkpoints(project_dir_);
-  const int64_t number = existing.empty() ? 0 : existing.back().first + 1;
-  const auto directory = (fs::path(project_dir_) / "checkpoints" / ("checkpoint_" + std::to_string(number))).string();
+  const auto directory = detail::next_automatic_checkpoint(project_dir_);
   save_state(directory, progress, options);
   if (options.async) {
     rotate_after_finish_ = true;
@@ -377,31 +331,11 @@ std::string Accelerator::save_state(const TrainingProgress& progress, const Save
 void Accelerator::rotate_checkpoints() {
   // Rank 0 deletes; a failure there (a file it may not remove) is every rank's error, not a hang.
   detail::run_on_every_rank(context_, [&] {
-    if (!is_main_process() || total_limit_ <= 0) return;
-    // Keep the total_limit newest complete checkpoints. An incomplete one (a save that crashed) does
-    // not count, so it never pushes out the last complete checkpoint before it; it goes only once it
-    // is older than every checkpoint kept.
-    const auto all = automatic_checkpoints(project_dir_);
-    std::vector<int64_t> complete;
-    for (const auto& [checkpoint_number, path] : all) {
-      if (is_complete_checkpoint(path.string())) complete.push_back(checkpoint_number);
-    }
-    if (static_cast<int64_t>(complete.size()) > total_limit_) {
-      const int64_t oldest_kept = complete[complete.size() - static_cast<size_t>(total_limit_)];
-      for (const auto& [checkpoint_number, path] : all) {
-        if (checkpoint_number < oldest_kept) fs::remove_all(path);
-      }
-    }
+    if (is_main_process()) detail::remove_old_checkpoints(project_dir_, total_limit_);
   });
 }
 
-std::string Accelerator::latest_checkpoint() const {
-  auto all = automatic_checkpoints(project_dir_);
-  for (auto it = all.rbegin(); it != all.rend(); ++it) {
-    if (is_complete_checkpoint(it->second.string())) return it->second.string();
-  }
-  return "";
-}
+std::string Accelerator::latest_checkpoint() const { return detail::latest_complete_checkpoint(project_dir_); }
 
 std::optional<TrainingProgress> Accelerator::resume_after_restart() {
   const int64_t restart = restart_count();

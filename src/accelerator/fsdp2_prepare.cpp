@@ -137,17 +137,17 @@ FullyShardOptions fully_shard_options_from_plugin(const FullyShardedDataParallel
   FullyShardOptions options;
   options.sharding_strategy = plugin.sharding_strategy;
   options.reshard_after_forward = plugin.reshard_after_forward;
-  if (plugin.mixed_precision_policy) options.mixed_precision = *plugin.mixed_precision_policy;
-  options.offload = plugin.cpu_offload;
-  options.sync_module_states = plugin.sync_module_states;
-  if (plugin.param_init_fn) options.param_init_fn = plugin.param_init_fn;
+  if (plugin.mixed_precision_policy) options.mp_policy = *plugin.mixed_precision_policy;
+  options.offload_policy = plugin.cpu_offload;
+  options.fsdp1.sync_module_states = plugin.sync_module_states;
+  if (plugin.param_init_fn) options.fsdp1.param_init_fn = plugin.param_init_fn;
   if (plugin.fsdp_version == 1) {
     // FSDP1's prefetch options as it defines them; version 2 keeps FSDP2's implicit prefetch (the
     // defaults of FullyShardOptions).
-    options.forward_prefetch = plugin.forward_prefetch;
-    options.backward_prefetch = plugin.backward_prefetch;
+    options.fsdp1.forward_prefetch = plugin.forward_prefetch;
+    options.fsdp1.backward_prefetch = plugin.backward_prefetch;
     // FSDP1's rate limiter lets two all-gathers be in flight.
-    if (plugin.limit_all_gathers) options.max_all_gathers_in_flight = 2;
+    if (plugin.limit_all_gathers) options.fsdp1.max_all_gathers_in_flight = 2;
   }
   return options;
 }
@@ -160,12 +160,12 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataPar
   if (is_fsdp_module(*model)) return model;
   if (plugin.activation_checkpointing) fsdp2_apply_activation_checkpointing(plugin, model);
   auto options = fully_shard_options_from_plugin(plugin);
-  options.ignored_parameters = ignored_parameters(plugin.ignored_modules, model);
+  options.ignored_params = ignored_parameters(plugin.ignored_modules, model);
   auto* pretrained = dynamic_cast<PretrainedModel*>(model.get());
-  if (!options.param_init_fn && pretrained) {
+  if (!options.fsdp1.param_init_fn && pretrained) {
     // A model built on the meta device gets the values its constructor would give (transformers'
     // _init_weights), and a module the model does not know gets its own initializer.
-    options.param_init_fn = [pretrained](torch::nn::Module& module) {
+    options.fsdp1.param_init_fn = [pretrained](torch::nn::Module& module) {
       if (pretrained->init_weights(module)) return;
       TORCH_CHECK(reset_parameters(module), "fsdp2_prepare_model: module ", module.name(),
                   " has parameters or buffers on the meta device and no initializer: neither the model's "
@@ -191,7 +191,7 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataPar
   const bool efficient_loading = plugin.cpu_ram_efficient_loading && context.world_size() > 1;
   // The load from rank 0 below is the sync: broadcasting every value at fully_shard too (version 1
   // forces sync_module_states on with efficient loading, as Accelerate does) would move them twice.
-  if (efficient_loading) options.sync_module_states = false;
+  if (efficient_loading) options.fsdp1.sync_module_states = false;
   TensorList original_state;
   if (efficient_loading) {
     if (context.rank() == 0) {
@@ -214,8 +214,8 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataPar
   // cast_forward_inputs, off by default, is every other unit's). Version 2 follows Accelerate's
   // fsdp2_prepare_model: the input embedding and the tail are units too, and every unit casts.
   const bool fsdp1 = plugin.fsdp_version == 1;
-  const bool cast_root_inputs = options.mixed_precision.cast_forward_inputs;
-  if (fsdp1) options.mixed_precision.cast_forward_inputs = false;
+  const bool cast_root_inputs = options.mp_policy.cast_forward_inputs;
+  if (fsdp1) options.mp_policy.cast_forward_inputs = false;
   if (auto policy = fsdp2_prepare_auto_wrap_policy(plugin, model)) {
     for (const auto& [name, module] : modules_to_wrap(model, *policy)) {
       if (!is_fsdp_module(*module)) fully_shard(module, context, options);
@@ -225,7 +225,7 @@ std::shared_ptr<torch::nn::Module> fsdp2_prepare_model(const FullyShardedDataPar
   if (!is_fsdp_module(*model)) {
     auto root_options = options;
     root_options.reshard_after_forward.reset();
-    root_options.mixed_precision.cast_forward_inputs = cast_root_inputs;
+    root_options.mp_policy.cast_forward_inputs = cast_root_inputs;
     fully_shard(model, context, root_options);
   }
   if (efficient_loading) {
@@ -278,7 +278,8 @@ void fsdp2_switch_optimizer_parameters(torch::optim::Optimizer& optimizer,
 
 std::shared_ptr<torch::nn::Module> fsdp2_load_full_state_dict(const DistributedContext& context,
                                                               const std::shared_ptr<torch::nn::Module>& model,
-                                                              const TensorList& full_state_dict, bool cpu_offload) {
+                                                              const TensorList& full_state_dict,
+                                                              bool /*cpu_offload: see the header*/) {
   TORCH_CHECK(model, "fsdp2_load_full_state_dict: the model is null");
   std::unique_ptr<TensorListSource> source;
   if (context.rank() == 0) source = std::make_unique<TensorListSource>(full_state_dict, "the full state dict");

@@ -21,6 +21,7 @@
 #include "checkpoint/fsdp1_local_files.h"
 #include "checkpoint/optimizer_state.h"
 #include "checkpoint/save_identity.h"
+#include "checkpoint/sharded_directory.h"
 #include "checkpoint/sharded_save.h"
 #include "checkpoint/state_dict_views.h"
 #include "dist/agreement.h"
@@ -144,50 +145,36 @@ int64_t write_sharded_optimizer(const std::string& directory, const OptimizerSta
 
 // Note [save identity]: a SHARDED directory of a checkpoint whose marker records a save must be of
 // that save and hold as many entries as the save wrote.
-void check_directory_of_save(const TensorSource& source, const std::string& name, const nlohmann::json& marker,
-                             const std::string& marker_path) {
+void check_directory_of_save(const detail::ShardedDirectory& source, const std::string& name,
+                             const nlohmann::json& marker, const std::string& marker_path) {
   if (!marker.contains("save_id") || !marker["save_id"].is_string()) return;  // saved before identities
   const auto save_id = marker["save_id"].get<std::string>();
-  const auto* dcp = dynamic_cast<const detail::DcpDirectoryReader*>(&source);
-  TORCH_CHECK(dcp, source.description(), " is in the rank-file format, but '", marker_path, "' records DCP save ",
+  const auto recorded = source.save_id();
+  TORCH_CHECK(recorded, source.description(), " is in the rank-file format, but '", marker_path, "' records DCP save ",
               save_id,
               ": the directory was replaced by one from an older checkpoint. Put back the files of one save, "
               "or load an earlier checkpoint");
-  TORCH_CHECK(dcp->save_id() == save_id, source.description(), " belongs to save ",
-              dcp->save_id().empty() ? std::string("(none recorded)") : dcp->save_id(), ", but '", marker_path,
-              "' records save ", save_id,
+  TORCH_CHECK(*recorded == save_id, source.description(), " belongs to save ",
+              recorded->empty() ? std::string("(none recorded)") : *recorded, ", but '", marker_path, "' records save ",
+              save_id,
               ": the directory was copied from another checkpoint. Put back the files of "
               "one save, or load an earlier checkpoint");
   if (marker.contains("entries") && marker["entries"].is_object() && marker["entries"].contains(name) &&
       marker["entries"][name].is_number_integer()) {
     const auto expected = marker["entries"][name].get<int64_t>();
-    const auto found = static_cast<int64_t>(dcp->metadata().keys.size());
+    const auto found = source.entry_count();
     TORCH_CHECK(found == expected, source.description(), " lists ", found,
                 " entries in its .metadata, but the save wrote ", expected, " (recorded in '", marker_path,
                 "'): the .metadata is damaged. Load an earlier checkpoint");
   }
 }
 
-// A SHARDED model or optimizer directory: DCP (what fsdp.cpp and PyTorch write) or the rank-file
-// format older fsdp.cpp versions wrote (docs/checkpoint-format.md).
-std::unique_ptr<TensorSource> open_sharded_directory(const std::string& directory) {
-  if (detail::is_dcp_directory(directory)) return std::make_unique<detail::DcpDirectoryReader>(directory);
-  return std::make_unique<ShardedDirectoryReader>(directory);
-}
-
 void load_optimizer_from_directory(torch::nn::Module& model, torch::optim::Optimizer& optimizer,
-                                   const TensorSource& source) {
-  if (const auto* dcp = dynamic_cast<const detail::DcpDirectoryReader*>(&source)) {
-    const auto groups = detail::dcp_param_groups(*dcp, detail::optimizer_type(optimizer));
-    load_optimizer_state_dict(model, optimizer, groups.optimizer, groups.json, source);
-    return;
-  }
-  const auto& reader = dynamic_cast<const ShardedDirectoryReader&>(source);
-  const auto extra = nlohmann::json::parse(reader.extra_json());
-  TORCH_CHECK(extra.contains("optimizer") && extra.contains("param_groups"), reader.description(),
+                                   const detail::ShardedDirectory& source) {
+  const auto groups = source.optimizer_groups(detail::optimizer_type(optimizer));
+  TORCH_CHECK(groups, source.description(),
               " does not hold optimizer state (no optimizer and param_groups in its metadata)");
-  load_optimizer_state_dict(model, optimizer, extra["optimizer"].get<std::string>(), extra["param_groups"].dump(),
-                            reader);
+  load_optimizer_state_dict(model, optimizer, groups->optimizer, groups->json, source);
 }
 
 // Accelerate's save_state (FSDP2, SHARDED_STATE_DICT) writes no marker of ours. Its checkpoint is
@@ -242,9 +229,11 @@ enum class AccelerateLayout { kNone, kSharded, kFull, kLocal };
 AccelerateLayout accelerate_layout(const std::string& directory) {
   std::error_code error;
   if (fs::exists(path_in(directory, kMarker), error)) return AccelerateLayout::kNone;
-  const bool optimizer_directory = detail::is_dcp_directory(path_in(directory, kShardedOptimizer));
+  const bool optimizer_directory =
+      detail::sharded_directory_format(path_in(directory, kShardedOptimizer)) == detail::ShardedFormat::kDcp;
   auto layout = AccelerateLayout::kNone;
-  if (optimizer_directory && detail::is_dcp_directory(path_in(directory, kShardedModel))) {
+  if (optimizer_directory &&
+      detail::sharded_directory_format(path_in(directory, kShardedModel)) == detail::ShardedFormat::kDcp) {
     layout = AccelerateLayout::kSharded;
   } else if (fs::is_regular_file(path_in(directory, kFullModelBin), error) &&
              fs::is_regular_file(path_in(directory, kFullOptimizer), error)) {
@@ -456,7 +445,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   int64_t saved_world_size = 0;
   int64_t step = 0;
   std::unique_ptr<TensorSource> model_reader;
-  std::unique_ptr<TensorSource> optimizer_reader;
+  std::unique_ptr<detail::ShardedDirectory> optimizer_reader;
   std::string model_file;
   std::unique_ptr<TensorListSource> full_source;
   std::optional<OptimizerStateDict> full_optimizer;
@@ -493,8 +482,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
     if (layout == AccelerateLayout::kSharded) {
       written_by_accelerate = true;
       saved_world_size = count_random_states(directory);
-      model_reader = open_sharded_directory(path_in(directory, kShardedModel));
-      optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+      model_reader = detail::open_sharded_directory(path_in(directory, kShardedModel));
+      optimizer_reader = detail::open_sharded_directory(path_in(directory, kShardedOptimizer));
     } else if (layout == AccelerateLayout::kFull) {
       written_by_accelerate = true;
       type = StateDictType::kFullStateDict;
@@ -519,7 +508,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
       model_reader = std::make_unique<TensorListSource>(
           detail::full_state_dict_from_fsdp1_local_files(files, parameters),
           "Accelerate's LOCAL_STATE_DICT files " + local_model_file(0) + ".. in '" + directory + "'");
-      optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+      optimizer_reader = detail::open_sharded_directory(path_in(directory, kShardedOptimizer));
     } else {
       TORCH_CHECK(fs::exists(marker_path) || !random_states_from_accelerate(directory), "checkpoint directory '",
                   directory, "' was written by Accelerate (its ", random_states_file(0),
@@ -558,8 +547,9 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
         read_full_files(recorded);
       } else {
         if (type == StateDictType::kShardedStateDict) {
-          model_reader = open_sharded_directory(path_in(directory, kShardedModel));
-          check_directory_of_save(*model_reader, kShardedModel, marker, marker_path);
+          auto model_directory = detail::open_sharded_directory(path_in(directory, kShardedModel));
+          check_directory_of_save(*model_directory, kShardedModel, marker, marker_path);
+          model_reader = std::move(model_directory);
         } else {
           TORCH_CHECK(saved_world_size == context.world_size(), "checkpoint directory '", directory,
                       "' holds a LOCAL_STATE_DICT saved by ", saved_world_size, " ranks; it loads only on ",
@@ -569,7 +559,7 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
           TORCH_CHECK(fs::exists(model_file), "checkpoint directory '", directory, "' lacks ",
                       local_model_file(context.rank()));
         }
-        optimizer_reader = open_sharded_directory(path_in(directory, kShardedOptimizer));
+        optimizer_reader = detail::open_sharded_directory(path_in(directory, kShardedOptimizer));
         check_directory_of_save(*optimizer_reader, kShardedOptimizer, marker, marker_path);
       }
     }

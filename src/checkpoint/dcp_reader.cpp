@@ -274,8 +274,7 @@ std::string DcpDirectoryReader::dtype(const std::string& name) const {
   return safetensors_dtype_name(tensor(name).dtype);
 }
 
-c10::IValue DcpDirectoryReader::load_item(const DcpStorage& storage, const std::string& key,
-                                          const std::string& item) const {
+c10::IValue DcpDirectoryReader::load_item(const DcpStorage& storage, const std::string& item) const {
   // check_files() has seen every file the metadata names (a regular file in the directory, long enough).
   const auto& opened = file(storage.relative_path);
   const auto file_size = static_cast<int64_t>(opened.size());
@@ -295,14 +294,14 @@ std::string DcpDirectoryReader::item_name(const DcpStorage& storage) const {
 c10::IValue DcpDirectoryReader::byte_item(const std::string& key) const {
   auto found = metadata_.byte_items.find(key);
   TORCH_CHECK(found != metadata_.byte_items.end(), description(), " has no byte item '", key, "'");
-  return load_item(found->second, key, item_name(found->second) + " (byte item '" + key + "')");
+  return load_item(found->second, item_name(found->second) + " (byte item '" + key + "')");
 }
 
 at::Tensor DcpDirectoryReader::load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk_index) const {
   const auto& chunk = tensor.chunks[chunk_index];
   const std::string item =
       item_name(chunk.storage) + " (chunk of '" + key + "' at offsets " + c10::str(chunk.offsets) + ")";
-  const auto value = load_item(chunk.storage, key, item);
+  const auto value = load_item(chunk.storage, item);
   TORCH_CHECK(value.isTensor(), item, " holds a ", value.tagKind(), ", not a tensor");
   auto loaded = value.toTensor();
   TORCH_CHECK(loaded.scalar_type() == tensor.dtype && loaded.sizes() == at::IntArrayRef(chunk.sizes), item, " holds a ",

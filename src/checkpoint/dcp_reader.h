@@ -72,7 +72,7 @@ class DcpDirectoryReader : public TensorSource {
   void check_files();
   /// Note [save identity]; `require_footer`: also every file must carry one (when any does).
   void check_identities(const std::map<std::string, File>& files, bool require_footer);
-  c10::IValue load_item(const DcpStorage& storage, const std::string& key, const std::string& item) const;
+  c10::IValue load_item(const DcpStorage& storage, const std::string& item) const;
   std::string item_name(const DcpStorage& storage) const;
   at::Tensor load_chunk(const std::string& key, const DcpTensor& tensor, size_t chunk) const;
   /// Where in its file the chunk's elements start, when the archive is torch.save of a contiguous

@@ -27,17 +27,17 @@ struct ModelTensor {
   /// The unit that manages the tensor, and its shard there; unset for what no unit manages.
   struct Owner {
     FSDPModule unit;
-    ShardedParameterInfo shard;
+    detail::ShardedParameterInfo shard;
   };
   std::optional<Owner> owner;
 };
 
 std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
-  std::unordered_map<const c10::TensorImpl*, std::pair<FSDPModule, ShardedParameterInfo>> managed;
+  std::unordered_map<const c10::TensorImpl*, std::pair<FSDPModule, detail::ShardedParameterInfo>> managed;
   for (const auto& unit : fsdp_modules(model)) {
     // Loads and saves see the sharded parameters, never a gathered forward state.
     unit.reshard();
-    for (auto& parameter : unit.sharded_parameters()) {
+    for (auto& parameter : detail::sharded_parameters(unit)) {
       managed.emplace(parameter.parameter.unsafeGetTensorImpl(), std::make_pair(unit, parameter));
     }
   }
@@ -252,7 +252,7 @@ TensorList local_model_state_dict(torch::nn::Module& model) {
   for (const auto& item : model.named_modules()) module_names[item.value().get()] = item.key();
   for (const auto& unit : fsdp_modules(model)) {
     unit.reshard();
-    const auto parameters = unit.sharded_parameters();
+    const auto parameters = detail::sharded_parameters(unit);
     if (parameters.empty()) continue;
     std::vector<at::Tensor> pieces;
     for (const auto& parameter : parameters) {
@@ -366,7 +366,7 @@ void load_local_model_state_dict(torch::nn::Module& model, const TensorList& sta
   at::NoGradGuard no_grad;
   for (const auto& unit : fsdp_modules(model)) {
     unit.reshard();
-    const auto parameters = unit.sharded_parameters();
+    const auto parameters = detail::sharded_parameters(unit);
     if (parameters.empty()) continue;
     const auto& module_name = module_names.at(unit.module().get());
     const std::string name = module_name.empty() ? "flat_param" : module_name + ".flat_param";

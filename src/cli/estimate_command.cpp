@@ -151,7 +151,7 @@ int run_estimate(const EstimateSettings& settings) {
   const int64_t peak_with = estimate.peak_bytes(true) + activations;
   const int64_t peak_without = estimate.peak_bytes(false) + activations;
   std::optional<int64_t> memory;
-  if (!settings.memory_per_rank.empty()) memory = parse_byte_size(settings.memory_per_rank);
+  if (!settings.memory_per_rank.empty()) memory = detail::parse_byte_size(settings.memory_per_rank);
   const bool fits = !memory || peak_with <= *memory;
 
   const std::string strategy = to_string(options.sharding_strategy);

@@ -66,7 +66,7 @@ Command add_merge_command(CLI::App& parent) {
           ->check(CLI::Validator(
               [](std::string& text) -> std::string {
                 try {
-                  parse_byte_size(text);
+                  detail::parse_byte_size(text);
                 } catch (const c10::Error& error) {
                   return error.what_without_backtrace();
                 }
@@ -78,7 +78,7 @@ Command add_merge_command(CLI::App& parent) {
   command.app = app;
   command.run = [=] {
     options->safe_serialization = !*unsafe;
-    if (shard_option->count() > 0) options->max_shard_size = parse_byte_size(*max_shard_size);
+    if (shard_option->count() > 0) options->max_shard_size = detail::parse_byte_size(*max_shard_size);
     // Under `fsdp launch` rank 0 merges and the others wait for it; a merge may take long.
     auto environment = parse_distributed_environment(current_process_environment());
     std::optional<DistributedContext> context;

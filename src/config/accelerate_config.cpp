@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "config/did_you_mean.h"
+#include "config/plugin_fields.h"
 #include "config/text.h"
 #include "io/read_only_file.h"
 
@@ -145,22 +146,13 @@ YAML::Node load_yaml(const std::string& yaml_text, const std::string& path) {
 }  // namespace
 
 const std::vector<std::string>& known_fsdp_config_keys() {
-  static const std::vector<std::string> keys = {"fsdp_version",
-                                                "fsdp_sharding_strategy",
-                                                "fsdp_reshard_after_forward",
-                                                "fsdp_offload_params",
-                                                "fsdp_min_num_params",
-                                                "fsdp_auto_wrap_policy",
-                                                "fsdp_transformer_layer_cls_to_wrap",
-                                                "fsdp_backward_prefetch",
-                                                "fsdp_state_dict_type",
-                                                "fsdp_forward_prefetch",
-                                                "fsdp_use_orig_params",
-                                                "fsdp_cpu_ram_efficient_loading",
-                                                "fsdp_sync_module_states",
-                                                "fsdp_activation_checkpointing",
-                                                "fsdp_activation_checkpointing_offload",
-                                                "fsdp_ignored_modules"};
+  static const std::vector<std::string> keys = [] {
+    std::vector<std::string> names;
+    for (const auto& field : detail::plugin_fields()) {
+      if (field.yaml_key) names.push_back(field.yaml_key);
+    }
+    return names;
+  }();
   return keys;
 }
 
@@ -240,7 +232,10 @@ AccelerateConfig parse_accelerate_config(const std::string& yaml_text, const std
 
 std::string read_config_file(const std::string& path) {
   // An Accelerate YAML file is a few kilobytes.
-  return detail::read_text_file(path, uint64_t{16} << 20, "config file", "give the path of an Accelerate YAML file");
+  const std::string fix = "give the path of an Accelerate YAML file";
+  const auto file = detail::ReadOnlyFile::open_if_exists(path, uint64_t{16} << 20, "config file", fix);
+  TORCH_CHECK(file, "config file '", path, "' cannot be read: it does not exist; ", fix);
+  return file->read_text();
 }
 
 AccelerateConfig load_accelerate_config(const std::string& path) {
@@ -286,8 +281,11 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
   };
 
   set("ACCELERATE_USE_FSDP", "true", "fsdp launch");
-  set_from("FSDP_VERSION", "fsdp_version", std::string("1"), false);
-  const std::string version = result.variables["FSDP_VERSION"];
+  // Note [one table of plugin fields]: every field with a variable and a key is exported, from the
+  // flag, the file or accelerate launch's default; the strategy follows quirk Q1 below.
+  const auto& version_field = detail::plugin_field("fsdp_version");
+  set_from(version_field.variable, version_field.yaml_key, std::string(version_field.launch_default), false);
+  const std::string version = result.variables[version_field.variable];
   // Quirk Q1: Accelerate exports FULL_SHARD here even when a version-1 file names its strategy
   // under fsdp_reshard_after_forward (which is where `accelerate config` writes it).
   auto strategy = value_of("fsdp_sharding_strategy");
@@ -299,22 +297,14 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
   else if (version == "1" && reshard && !reshard_is_bool)
     set("FSDP_SHARDING_STRATEGY", reshard->first, reshard->second);
   else
-    set("FSDP_SHARDING_STRATEGY", "FULL_SHARD", "launcher default");
-  set_from("FSDP_RESHARD_AFTER_FORWARD", "fsdp_reshard_after_forward", std::string("true"), true);
-  set_from("FSDP_OFFLOAD_PARAMS", "fsdp_offload_params", std::string("false"), true);
-  set_from("FSDP_MIN_NUM_PARAMS", "fsdp_min_num_params", std::string("100000000"), false);
-  set_from("FSDP_AUTO_WRAP_POLICY", "fsdp_auto_wrap_policy", std::nullopt, false);
-  set_from("FSDP_TRANSFORMER_CLS_TO_WRAP", "fsdp_transformer_layer_cls_to_wrap", std::nullopt, false);
-  set_from("FSDP_BACKWARD_PREFETCH", "fsdp_backward_prefetch", std::nullopt, false);
-  set_from("FSDP_STATE_DICT_TYPE", "fsdp_state_dict_type", std::nullopt, false);
-  set_from("FSDP_FORWARD_PREFETCH", "fsdp_forward_prefetch", std::string("false"), true);
-  set_from("FSDP_USE_ORIG_PARAMS", "fsdp_use_orig_params", std::string("true"), true);
-  set_from("FSDP_CPU_RAM_EFFICIENT_LOADING", "fsdp_cpu_ram_efficient_loading", std::string("true"), true);
-  set_from("FSDP_SYNC_MODULE_STATES", "fsdp_sync_module_states", std::string("true"), true);
-  set_from("FSDP_ACTIVATION_CHECKPOINTING", "fsdp_activation_checkpointing", std::string("false"), true);
-  set_from("FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", "fsdp_activation_checkpointing_offload", std::string("false"),
-           true);
-  set_from("FSDP_IGNORED_MODULES", "fsdp_ignored_modules", std::nullopt, false);
+    set("FSDP_SHARDING_STRATEGY", detail::plugin_field("sharding_strategy").launch_default, "launcher default");
+  for (const auto& field : detail::plugin_fields()) {
+    const std::string name = field.name;
+    if (!field.variable || !field.yaml_key || name == "fsdp_version" || name == "sharding_strategy") continue;
+    set_from(field.variable, field.yaml_key,
+             field.launch_default ? std::optional<std::string>(field.launch_default) : std::nullopt,
+             field.launch_lowercase);
+  }
   if (version == "2") {
     // Accelerate's launcher exports these for every version; version 2 does not read them, so only a
     // value the user chose goes to the processes (the plugin warns about it there).
@@ -334,9 +324,10 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
 
   auto describe = [&](const std::string& variable) { return variable + " (from " + result.origins[variable] + ")"; };
   if (version == "1") {
-    const bool ram_efficient =
-        parse_bool(result.variables["FSDP_CPU_RAM_EFFICIENT_LOADING"], describe("FSDP_CPU_RAM_EFFICIENT_LOADING"));
-    const bool sync = parse_bool(result.variables["FSDP_SYNC_MODULE_STATES"], describe("FSDP_SYNC_MODULE_STATES"));
+    const bool ram_efficient = detail::parse_bool(result.variables["FSDP_CPU_RAM_EFFICIENT_LOADING"],
+                                                  describe("FSDP_CPU_RAM_EFFICIENT_LOADING"));
+    const bool sync =
+        detail::parse_bool(result.variables["FSDP_SYNC_MODULE_STATES"], describe("FSDP_SYNC_MODULE_STATES"));
     TORCH_CHECK(!ram_efficient || sync, "fsdp launch: fsdp_cpu_ram_efficient_loading is true (",
                 result.origins["FSDP_CPU_RAM_EFFICIENT_LOADING"], ") but fsdp_sync_module_states is false (",
                 result.origins["FSDP_SYNC_MODULE_STATES"],

@@ -12,10 +12,25 @@
 #include <sstream>
 
 #include "config/did_you_mean.h"
+#include "config/plugin_fields.h"
 #include "config/text.h"
 
 namespace fsdp {
 namespace {
+
+// FSDP_* variables read by the rest of fsdp.cpp rather than the plugin: FSDP_COLLECTIVE_TIMEOUT
+// (the collective timeout) and the build and test scripts' settings (scripts/setup.sh); FSDP_TEST_*
+// names belong to the test suite too. Any other FSDP_* variable is a warning when a plugin is
+// resolved, so these are known here, not exported.
+const std::vector<std::string>& tool_environment_variables() {
+  static const std::vector<std::string> variables = {
+      "FSDP_COLLECTIVE_TIMEOUT", "FSDP_BUILD_DIR",   "FSDP_BUILD_JOBS",   "FSDP_PYTHON",
+      "FSDP_TEST_JOBS",          "FSDP_TEST_PYTHON", "FSDP_TORCH_PREFIX", "FSDP_VENV"};
+  return variables;
+}
+
+// The FSDP_* variable of plugin field `field` (Note [one table of plugin fields]).
+const char* variable_of(const char* field) { return detail::plugin_field(field).variable; }
 
 bool is_digits(const std::string& text) {
   return !text.empty() &&
@@ -130,17 +145,6 @@ StateDictConfig default_config(StateDictType type) {
 }
 
 // Accelerate's str_to_bool words; empty when `text` is none of them.
-std::optional<bool> truth_value(const std::string& text) {
-  const std::string key = detail::to_lower(detail::trim(text));
-  for (const char* word : {"y", "yes", "t", "true", "on", "1"}) {
-    if (key == word) return true;
-  }
-  for (const char* word : {"n", "no", "f", "false", "off", "0"}) {
-    if (key == word) return false;
-  }
-  return std::nullopt;
-}
-
 // One resolution: the inputs, and the plugin being filled in.
 class Resolver {
  public:
@@ -186,12 +190,12 @@ class Resolver {
     if (argument) {
       source(field, "argument");
       if (std::holds_alternative<bool>(*argument)) return std::get<bool>(*argument);
-      return parse_bool(std::get<std::string>(*argument), field + " (from argument)");
+      return detail::parse_bool(std::get<std::string>(*argument), field + " (from argument)");
     }
     if (variable != nullptr) {
       if (auto found = environment_value(variable)) {
         source(field, found->origin);
-        return parse_bool(found->value, field + " (from " + found->origin + ")");
+        return detail::parse_bool(found->value, field + " (from " + found->origin + ")");
       }
     }
     source(field, "default");
@@ -206,7 +210,7 @@ class Resolver {
       text = std::holds_alternative<int64_t>(*args_.fsdp_version)
                  ? std::to_string(std::get<int64_t>(*args_.fsdp_version))
                  : std::get<std::string>(*args_.fsdp_version);
-    } else if (auto found = environment_value("FSDP_VERSION")) {
+    } else if (auto found = environment_value(variable_of("fsdp_version"))) {
       text = found->value;
       origin = found->origin;
     } else {
@@ -244,10 +248,10 @@ class Resolver {
       if (explicit_strategy || explicit_reshard) {
         plugin_.sharding_strategy = explicit_strategy ? *explicit_strategy : *explicit_reshard;
         source("sharding_strategy", "argument");
-      } else if (auto found = environment_value("FSDP_SHARDING_STRATEGY")) {
+      } else if (auto found = environment_value(variable_of("sharding_strategy"))) {
         plugin_.sharding_strategy = sharding_names().parse("sharding_strategy", found->value, found->origin);
         source("sharding_strategy", found->origin);
-      } else if (auto found = environment_value("FSDP_RESHARD_AFTER_FORWARD")) {
+      } else if (auto found = environment_value(variable_of("reshard_after_forward"))) {
         // Version 1 reads its strategy from here too (Accelerate never does: quirk Q1); a bool
         // string means FULL_SHARD (true) or SHARD_GRAD_OP (false), as `fsdp to-fsdp2` maps them.
         const std::string key = detail::to_lower(detail::trim(found->value));
@@ -276,7 +280,7 @@ class Resolver {
       if (auto* flag = std::get_if<bool>(&value)) {
         plugin_.reshard_after_forward = *flag;
       } else if (text && is_bool_string(*text)) {
-        plugin_.reshard_after_forward = parse_bool(*text, "reshard_after_forward (from argument)");
+        plugin_.reshard_after_forward = detail::parse_bool(*text, "reshard_after_forward (from argument)");
       } else if (number && *number >= 2) {
         plugin_.reshard_after_forward = *number;
       } else if (auto size = text ? group_size_string(*text) : std::nullopt) {
@@ -296,7 +300,7 @@ class Resolver {
       // Accelerate raises here (quirk Q2); converting as `to-fsdp2` does is what the user meant.
       plugin_.reshard_after_forward = reshards_after_forward(*explicit_strategy);
       source("reshard_after_forward", "derived from the sharding_strategy argument");
-    } else if (auto found = environment_value("FSDP_RESHARD_AFTER_FORWARD")) {
+    } else if (auto found = environment_value(variable_of("reshard_after_forward"))) {
       const auto size = group_size_string(found->value);
       TORCH_CHECK(is_bool_string(found->value) || size, "FullyShardedDataParallelPlugin: reshard_after_forward='",
                   found->value, "' (from ", found->origin,
@@ -305,7 +309,7 @@ class Resolver {
       if (size)
         plugin_.reshard_after_forward = *size;
       else
-        plugin_.reshard_after_forward = parse_bool(found->value, "reshard_after_forward");
+        plugin_.reshard_after_forward = detail::parse_bool(found->value, "reshard_after_forward");
       source("reshard_after_forward", found->origin);
     } else {
       plugin_.reshard_after_forward = true;
@@ -321,7 +325,7 @@ class Resolver {
     }
   }
 
-  static bool is_bool_string(const std::string& text) { return truth_value(text).has_value(); }
+  static bool is_bool_string(const std::string& text) { return detail::truth_value(text).has_value(); }
   // A decimal group size of 2 or more with nothing around it ("8"); "1" and "0" are bools.
   static std::optional<int64_t> group_size_string(const std::string& text) {
     if (!is_digits(text) || text.size() > 9) return std::nullopt;
@@ -342,7 +346,7 @@ class Resolver {
       else
         flag = std::get<std::string>(*args_.cpu_offload);
     }
-    plugin_.cpu_offload.offload_params = parse_bool_setting("cpu_offload", flag, "FSDP_OFFLOAD_PARAMS", false);
+    plugin_.cpu_offload.offload_params = parse_bool_setting("cpu_offload", flag, variable_of("cpu_offload"), false);
   }
 
   void resolve_backward_prefetch() {
@@ -354,7 +358,7 @@ class Resolver {
       if (text == nullptr || detail::to_upper(detail::trim(*text)) != "NO_PREFETCH") {
         prefetch = prefetch_names().parse_value("backward_prefetch", value, "argument");
       }
-    } else if (auto found = environment_value("FSDP_BACKWARD_PREFETCH")) {
+    } else if (auto found = environment_value(variable_of("backward_prefetch"))) {
       source("backward_prefetch", found->origin);
       if (detail::to_upper(detail::trim(found->value)) != "NO_PREFETCH")
         prefetch = prefetch_names().parse("backward_prefetch", found->value, found->origin);
@@ -373,7 +377,7 @@ class Resolver {
     if (args_.state_dict_type) {
       origin = "argument";
       plugin_.state_dict_type = state_dict_names().parse_value("state_dict_type", *args_.state_dict_type, origin);
-    } else if (auto found = environment_value("FSDP_STATE_DICT_TYPE")) {
+    } else if (auto found = environment_value(variable_of("state_dict_type"))) {
       origin = found->origin;
       plugin_.state_dict_type = state_dict_names().parse("state_dict_type", found->value, origin);
     } else {
@@ -409,7 +413,7 @@ class Resolver {
       if (args_.auto_wrap_policy) {
         policy = std::get<std::string>(*args_.auto_wrap_policy);
         origin = "argument";
-      } else if (auto found = environment_value("FSDP_AUTO_WRAP_POLICY")) {
+      } else if (auto found = environment_value(variable_of("auto_wrap_policy"))) {
         policy = found->value;
         origin = found->origin;
       } else {
@@ -442,7 +446,7 @@ class Resolver {
              to_string(plugin_.auto_wrap_policy) + ", so the names are not used.");
       }
     } else if (plugin_.auto_wrap_policy == AutoWrapKind::kTransformerBasedWrap) {
-      if (auto found = environment_value("FSDP_TRANSFORMER_CLS_TO_WRAP")) {
+      if (auto found = environment_value(variable_of("transformer_cls_names_to_wrap"))) {
         plugin_.transformer_cls_names_to_wrap = split_class_names(found->value, found->origin);
         source("transformer_cls_names_to_wrap", found->origin);
       } else {
@@ -459,7 +463,7 @@ class Resolver {
                                    : parse_integer("min_num_params", std::get<std::string>(value), "argument");
       source("min_num_params", "argument");
     } else if (plugin_.auto_wrap_policy == AutoWrapKind::kSizeBasedWrap) {
-      if (auto found = environment_value("FSDP_MIN_NUM_PARAMS")) {
+      if (auto found = environment_value(variable_of("min_num_params"))) {
         plugin_.min_num_params = parse_integer("min_num_params", found->value, found->origin);
         source("min_num_params", found->origin);
       } else {
@@ -519,10 +523,10 @@ class Resolver {
       const char* variable;
       bool& target;
     };
-    for (VersionOneBool setting :
-         {VersionOneBool{"use_orig_params", args_.use_orig_params, "FSDP_USE_ORIG_PARAMS", plugin_.use_orig_params},
-          VersionOneBool{"sync_module_states", args_.sync_module_states, "FSDP_SYNC_MODULE_STATES",
-                         plugin_.sync_module_states}}) {
+    for (VersionOneBool setting : {VersionOneBool{"use_orig_params", args_.use_orig_params,
+                                                  variable_of("use_orig_params"), plugin_.use_orig_params},
+                                   VersionOneBool{"sync_module_states", args_.sync_module_states,
+                                                  variable_of("sync_module_states"), plugin_.sync_module_states}}) {
       if (plugin_.fsdp_version == 1) {
         // fsdp.cpp always trains the original parameters (no flat parameters), so use_orig_params
         // resolves to true unless set, and false is a warning (warn_about_values_without_effect).
@@ -543,12 +547,13 @@ class Resolver {
     }
     if (plugin_.fsdp_version == 1) {
       plugin_.forward_prefetch =
-          parse_bool_setting("forward_prefetch", args_.forward_prefetch, "FSDP_FORWARD_PREFETCH", false);
+          parse_bool_setting("forward_prefetch", args_.forward_prefetch, variable_of("forward_prefetch"), false);
     } else {
-      const bool requested = args_.forward_prefetch && (std::holds_alternative<bool>(*args_.forward_prefetch)
-                                                            ? std::get<bool>(*args_.forward_prefetch)
-                                                            : parse_bool(std::get<std::string>(*args_.forward_prefetch),
-                                                                         "forward_prefetch (from argument)"));
+      const bool requested =
+          args_.forward_prefetch && (std::holds_alternative<bool>(*args_.forward_prefetch)
+                                         ? std::get<bool>(*args_.forward_prefetch)
+                                         : detail::parse_bool(std::get<std::string>(*args_.forward_prefetch),
+                                                              "forward_prefetch (from argument)"));
       TORCH_CHECK(!requested,
                   "FullyShardedDataParallelPlugin: forward_prefetch=true (from argument) is not implemented "
                   "for FSDP version 2; leave it unset or use fsdp_version=1.");
@@ -559,10 +564,10 @@ class Resolver {
 
   void resolve_remaining_bools() {
     plugin_.activation_checkpointing = parse_bool_setting("activation_checkpointing", args_.activation_checkpointing,
-                                                          "FSDP_ACTIVATION_CHECKPOINTING", false);
+                                                          variable_of("activation_checkpointing"), false);
     plugin_.activation_checkpointing_offload =
         parse_bool_setting("activation_checkpointing_offload", args_.activation_checkpointing_offload,
-                           "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD", false);
+                           variable_of("activation_checkpointing_offload"), false);
     // Accelerate's two checks, in its order and with its words, plus where the value came from.
     TORCH_CHECK(!plugin_.activation_checkpointing_offload || plugin_.activation_checkpointing,
                 "`activation_checkpointing_offload=True` requires `activation_checkpointing=True`. (",
@@ -574,7 +579,7 @@ class Resolver {
                 plugin_.sources["activation_checkpointing_offload"], ", fsdp_version ", plugin_.fsdp_version, " from ",
                 plugin_.sources["fsdp_version"], ".)");
     plugin_.cpu_ram_efficient_loading = parse_bool_setting("cpu_ram_efficient_loading", args_.cpu_ram_efficient_loading,
-                                                           "FSDP_CPU_RAM_EFFICIENT_LOADING", false);
+                                                           variable_of("cpu_ram_efficient_loading"), false);
     plugin_.limit_all_gathers = args_.limit_all_gathers.value_or(true);
     source("limit_all_gathers", args_.limit_all_gathers ? "argument" : "default");
     if (plugin_.fsdp_version == 1 && plugin_.cpu_ram_efficient_loading && !plugin_.sync_module_states) {
@@ -601,7 +606,7 @@ class Resolver {
                       "null module.");
         }
       }
-    } else if (auto found = environment_value("FSDP_IGNORED_MODULES")) {
+    } else if (auto found = environment_value(variable_of("ignored_modules"))) {
       source("ignored_modules", found->origin);
       regex = found;
     } else {
@@ -756,11 +761,11 @@ class Resolver {
       bool given_as_argument;
     };
     const Unread unread[] = {
-        {"FSDP_FORWARD_PREFETCH", false, "version 2 prefetches the next unit's all-gather by itself",
+        {variable_of("forward_prefetch"), false, "version 2 prefetches the next unit's all-gather by itself",
          args_.forward_prefetch.has_value()},
-        {"FSDP_USE_ORIG_PARAMS", true, "version 2 always trains the original parameters",
+        {variable_of("use_orig_params"), true, "version 2 always trains the original parameters",
          args_.use_orig_params.has_value()},
-        {"FSDP_SYNC_MODULE_STATES", false,
+        {variable_of("sync_module_states"), false,
          "version 2 does not broadcast rank 0's weights; use cpu_ram_efficient_loading for that",
          args_.sync_module_states.has_value()},
     };
@@ -771,7 +776,7 @@ class Resolver {
           described != origins_.end() && described->second == "launcher default") {
         continue;
       }
-      const auto truth = truth_value(found->value);
+      const auto truth = detail::truth_value(found->value);
       if (truth && *truth == entry.version_two_value) continue;
       warn(std::string(entry.variable) + "='" + found->value + "' (from " + found->origin +
            ") is not read by FSDP version 2: " + entry.why + ". It is ignored.");
@@ -804,17 +809,10 @@ ShardingStrategy parse_sharding_strategy(const std::string& value, const std::st
   return sharding_names().parse(field, value, origin);
 }
 
-bool parse_bool(const std::string& value, const std::string& what) {
-  if (auto truth = truth_value(value)) return *truth;
-  TORCH_CHECK(false, what, ": '", value,
-              "' is not a truth value; expected one of y, yes, t, true, on, 1 or n, no, f, "
-              "false, off, 0 (case-insensitive).");
-}
-
 bool fsdp_enabled_by_environment(const EnvironmentMap& environment) {
   auto entry = environment.find("ACCELERATE_USE_FSDP");
   if (entry == environment.end() || entry->second.empty()) return false;
-  return parse_bool(entry->second, "ACCELERATE_USE_FSDP");
+  return detail::parse_bool(entry->second, "ACCELERATE_USE_FSDP");
 }
 
 c10::ScalarType mixed_precision_dtype(const std::string& name, const std::string& what) {
@@ -826,29 +824,13 @@ c10::ScalarType mixed_precision_dtype(const std::string& name, const std::string
 }
 
 const std::vector<std::string>& plugin_environment_variables() {
-  static const std::vector<std::string> variables = {"FSDP_VERSION",
-                                                     "FSDP_SHARDING_STRATEGY",
-                                                     "FSDP_RESHARD_AFTER_FORWARD",
-                                                     "FSDP_OFFLOAD_PARAMS",
-                                                     "FSDP_BACKWARD_PREFETCH",
-                                                     "FSDP_STATE_DICT_TYPE",
-                                                     "FSDP_AUTO_WRAP_POLICY",
-                                                     "FSDP_TRANSFORMER_CLS_TO_WRAP",
-                                                     "FSDP_MIN_NUM_PARAMS",
-                                                     "FSDP_USE_ORIG_PARAMS",
-                                                     "FSDP_SYNC_MODULE_STATES",
-                                                     "FSDP_FORWARD_PREFETCH",
-                                                     "FSDP_ACTIVATION_CHECKPOINTING",
-                                                     "FSDP_ACTIVATION_CHECKPOINTING_OFFLOAD",
-                                                     "FSDP_CPU_RAM_EFFICIENT_LOADING",
-                                                     "FSDP_IGNORED_MODULES"};
-  return variables;
-}
-
-const std::vector<std::string>& tool_environment_variables() {
-  static const std::vector<std::string> variables = {
-      "FSDP_COLLECTIVE_TIMEOUT", "FSDP_BUILD_DIR",   "FSDP_BUILD_JOBS",   "FSDP_PYTHON",
-      "FSDP_TEST_JOBS",          "FSDP_TEST_PYTHON", "FSDP_TORCH_PREFIX", "FSDP_VENV"};
+  static const std::vector<std::string> variables = [] {
+    std::vector<std::string> names;
+    for (const auto& field : detail::plugin_fields()) {
+      if (field.variable) names.push_back(field.variable);
+    }
+    return names;
+  }();
   return variables;
 }
 
@@ -942,10 +924,16 @@ std::string FullyShardedDataParallelPlugin::to_json() const {
       transformer_cls_names_to_wrap ? nlohmann::json(*transformer_cls_names_to_wrap) : nlohmann::json(nullptr);
   values["min_num_params"] = min_num_params;
 
+  // Note [one table of plugin fields]: the fields shown are the table's, in its order, each with its line.
   nlohmann::ordered_json document;
-  for (const auto& [field, value] : values.items()) {
-    auto found = sources.find(field);
-    document[field] = {{"value", value}, {"source", found == sources.end() ? "default" : found->second}};
+  TORCH_INTERNAL_ASSERT(values.size() == detail::plugin_fields().size(), "to_json has ", values.size(),
+                        " fields, src/config/plugin_fields.cpp ", detail::plugin_fields().size());
+  for (const auto& field : detail::plugin_fields()) {
+    TORCH_INTERNAL_ASSERT(values.contains(field.name), "to_json does not show plugin field '", field.name, "'");
+    auto found = sources.find(field.name);
+    document[field.name] = {{"value", values[field.name]},
+                            {"source", found == sources.end() ? "default" : found->second},
+                            {"doc", field.doc}};
   }
   document["warnings"] = warnings;
   // Where fsdp.cpp does on purpose something other than what Accelerate does with this

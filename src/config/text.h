@@ -1,7 +1,8 @@
-// Private: the small string helpers config parsing needs (case folding, trimming).
+// Private: the small string helpers config parsing needs (case folding, trimming, truth values).
 #pragma once
 
 #include <cctype>
+#include <optional>
 #include <string>
 
 namespace fsdp::detail {
@@ -22,5 +23,12 @@ inline std::string trim(const std::string& text) {
   const auto last = text.find_last_not_of(" \t\r\n");
   return text.substr(first, last - first + 1);
 }
+
+/// Accelerate's str_to_bool words: y/yes/t/true/on/1 and n/no/f/false/off/0, case-insensitive,
+/// around spaces; nullopt for anything else.
+std::optional<bool> truth_value(const std::string& text);
+
+/// truth_value, or an error naming `what` and listing the accepted words.
+bool parse_bool(const std::string& value, const std::string& what);
 
 }  // namespace fsdp::detail

@@ -2,7 +2,7 @@
 // when they disagree. They run on the control channel (Note [the control channel],
 // src/dist/control_channel.h).
 //
-// [Note: Agreement by digest]
+// Note [Agreement by digest]
 // What every rank must agree on (a unit's parameter names, shapes and dtypes, the options, the
 // checkpoint operation) first travels as a fixed-size digest: one all-reduce of 48 bytes
 // (same_on_every_rank), whatever the model's size or the number of ranks. Only when the digests

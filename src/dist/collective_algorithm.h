@@ -1,6 +1,6 @@
 // Private: which algorithm a CPU collective runs, chosen per (group size, bytes) by measurement.
 //
-// [Note: Algorithms by measurement]
+// Note [Algorithms by measurement]
 // `collective_bench --sweep` times each collective at 64 KB to 64 MB and N = 2, 4, 8, 16 on one
 // machine, with the collective check off (it costs every algorithm the same per collective), ours
 // (the direct exchange: every rank sends each peer its part at once, Note [Collectives on Gloo])

@@ -1,6 +1,6 @@
 // Private: messages between ranks that are not training data, on the control channel.
 //
-// [Note: the control channel]
+// Note [the control channel]
 // Agreement checks, the node-layout exchange at rendezvous and rank 0's status broadcasts ("could
 // not read the file") are small host-side messages. They travel on DistributedContext::control(), a
 // group of every rank kept apart from the data groups (world, intra_node, cross_node) that carry

@@ -6,6 +6,7 @@
 #include <sstream>
 
 #include "dist/c10d/backend.h"
+#include "dist/node_layout.h"
 
 namespace fsdp {
 
@@ -15,6 +16,8 @@ detail::ProcessGroupState& ProcessGroup::state() const {
   TORCH_CHECK(state_ != nullptr, "ProcessGroup: this handle is empty; get groups from a DistributedContext.");
   return *state_;
 }
+
+detail::ProcessGroupState& detail::state_of(const ProcessGroup& group) { return group.state(); }
 
 int64_t ProcessGroup::rank() const { return state().rank; }
 int64_t ProcessGroup::size() const { return state().size; }
@@ -53,37 +56,6 @@ std::vector<std::string> ProcessGroup::stop_trace() const {
   std::lock_guard<std::mutex> lock(group.trace_mutex);
   group.tracing = false;
   return std::move(group.trace);
-}
-
-NodeLayout plan_node_layout(const std::vector<RankReport>& reports) {
-  TORCH_CHECK(!reports.empty(), "plan_node_layout: no rank reported its layout.");
-  NodeLayout layout;
-  layout.local_world_size = reports.front().local_world_size;
-  const int64_t world_size = static_cast<int64_t>(reports.size());
-  for (size_t index = 0; index < reports.size(); ++index) {
-    const auto& report = reports[index];
-    TORCH_CHECK(report.rank == static_cast<int64_t>(index), "rendezvous: the report at position ", index,
-                " came from rank ", report.rank, "; ranks must be 0..", world_size - 1, " with no duplicates.");
-    TORCH_CHECK(report.local_world_size == layout.local_world_size,
-                "rendezvous: ranks disagree on LOCAL_WORLD_SIZE: rank 0 has ", layout.local_world_size, " but rank ",
-                report.rank, " has ", report.local_world_size, ". Start every machine with the same --nproc-per-node.");
-    const int64_t expected_rank = report.node_rank * report.local_world_size + report.local_rank;
-    TORCH_CHECK(expected_rank == report.rank, "rendezvous: rank ", report.rank, " reports node ", report.node_rank,
-                " and local rank ", report.local_rank, " (local world size ", report.local_world_size,
-                "), which is rank ", expected_rank,
-                " under the block layout every launcher uses. Give each machine a distinct --node-rank and the same "
-                "--nproc-per-node.");
-  }
-  TORCH_CHECK(world_size % layout.local_world_size == 0, "rendezvous: world size ", world_size,
-              " is not a multiple of LOCAL_WORLD_SIZE=", layout.local_world_size, ".");
-  layout.num_nodes = world_size / layout.local_world_size;
-  layout.intra_node_groups.resize(layout.num_nodes);
-  layout.cross_node_groups.resize(layout.local_world_size);
-  for (const auto& report : reports) {
-    layout.intra_node_groups[report.node_rank].push_back(report.rank);
-    layout.cross_node_groups[report.local_rank].push_back(report.rank);
-  }
-  return layout;
 }
 
 const DistributedEnvironment& DistributedContext::environment() const { return state_->environment; }
@@ -141,12 +113,13 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
       {environment.rank, environment.local_rank, environment.local_world_size, environment.node_rank}, at::kLong);
   auto all = at::empty({environment.world_size * 4}, at::kLong);
   all_gather(state.control, all, mine);
-  std::vector<RankReport> reports(environment.world_size);
+  std::vector<detail::RankReport> reports(environment.world_size);
   auto values = all.accessor<int64_t, 1>();
   for (int64_t rank = 0; rank < environment.world_size; ++rank) {
-    reports[rank] = RankReport{values[rank * 4], values[rank * 4 + 1], values[rank * 4 + 2], values[rank * 4 + 3]};
+    reports[rank] =
+        detail::RankReport{values[rank * 4], values[rank * 4 + 1], values[rank * 4 + 2], values[rank * 4 + 3]};
   }
-  auto layout = plan_node_layout(reports);
+  auto layout = detail::plan_node_layout(reports);
 
   if (layout.num_nodes == 1) {
     state.intra_node = state.world;

@@ -51,7 +51,7 @@ void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Modul
     }
     order.emplace_back(std::move(prefix), std::move(module));
   }
-  const bool receives = options.sync_module_states && context.world_size() > 1 && context.rank() != 0;
+  const bool receives = options.fsdp1.sync_module_states && context.world_size() > 1 && context.rank() != 0;
   for (const auto& [prefix, module] : order) {
     if (!has_meta_tensors(*module, /*recurse=*/false)) continue;
     // prefix is "" or a path with a trailing '.', which becomes the closing quote.
@@ -67,8 +67,8 @@ void materialize_meta_modules(const std::vector<std::shared_ptr<torch::nn::Modul
     }
     to_empty(*module, c10::kCPU, /*recurse=*/false);
     at::NoGradGuard no_grad;
-    if (options.param_init_fn) {
-      options.param_init_fn(*module);
+    if (options.fsdp1.param_init_fn) {
+      options.fsdp1.param_init_fn(*module);
     } else {
       TORCH_CHECK(reset_parameters(*module), detail::on_rank(context), "fully_shard: module ", path, " (",
                   module->name(), ") of the unit on ", modules.front()->name(),
@@ -149,15 +149,6 @@ void FSDPModule::lazy_init() const { detail::ensure_root_state(*group_); }
 
 ShardingStrategy FSDPModule::sharding_strategy() const { return group_->options().sharding_strategy; }
 
-std::vector<ShardedParameterInfo> FSDPModule::sharded_parameters() const {
-  std::vector<ShardedParameterInfo> infos;
-  for (const auto& parameter : group_->parameters()) {
-    infos.push_back(ShardedParameterInfo{parameter.name, parameter.parameter, parameter.layout,
-                                         parameter.original_dtype, parameter.sharded_padded, parameter.sharded_data});
-  }
-  return infos;
-}
-
 std::string FSDPModule::description() const { return group_->description(); }
 const DistributedContext& FSDPModule::context() const { return group_->context(); }
 const ProcessGroup* FSDPModule::shard_group() const {
@@ -169,6 +160,15 @@ const ProcessGroup* FSDPModule::replicate_group() const {
 
 namespace detail {
 ParamGroup& group_of(const FSDPModule& module) { return *module.group_; }
+
+std::vector<ShardedParameterInfo> sharded_parameters(const FSDPModule& unit) {
+  std::vector<ShardedParameterInfo> infos;
+  for (const auto& parameter : group_of(unit).parameters()) {
+    infos.push_back(ShardedParameterInfo{parameter.name, parameter.parameter, parameter.layout,
+                                         parameter.original_dtype, parameter.sharded_padded, parameter.sharded_data});
+  }
+  return infos;
+}
 }  // namespace detail
 
 int64_t FSDPModule::unsharded_buffer_bytes() const { return group_->unsharded_buffer_bytes(); }
@@ -186,13 +186,13 @@ void agree_on_unit(const std::vector<std::shared_ptr<torch::nn::Module>>& module
   fields.emplace_back("sharding_strategy", to_string(options.sharding_strategy));
   fields.emplace_back("reshard_after_forward",
                       options.reshard_after_forward ? options.reshard_after_forward->to_string() : "default");
-  fields.emplace_back("mixed_precision", "param " + dtype_text(options.mixed_precision.param_dtype) + ", reduce " +
-                                             dtype_text(options.mixed_precision.reduce_dtype) + ", buffer " +
-                                             dtype_text(options.mixed_precision.buffer_dtype) + ", output " +
-                                             dtype_text(options.mixed_precision.output_dtype));
-  fields.emplace_back("offload_params", options.offload.offload_params ? "true" : "false");
-  fields.emplace_back("sync_module_states", options.sync_module_states ? "true" : "false");
-  fields.emplace_back("ignored_parameters", std::to_string(options.ignored_parameters.size()));
+  fields.emplace_back("mp_policy", "param " + dtype_text(options.mp_policy.param_dtype) + ", reduce " +
+                                       dtype_text(options.mp_policy.reduce_dtype) + ", buffer " +
+                                       dtype_text(options.mp_policy.buffer_dtype) + ", output " +
+                                       dtype_text(options.mp_policy.output_dtype));
+  fields.emplace_back("offload_policy.offload_params", options.offload_policy.offload_params ? "true" : "false");
+  fields.emplace_back("fsdp1.sync_module_states", options.fsdp1.sync_module_states ? "true" : "false");
+  fields.emplace_back("ignored_params", std::to_string(options.ignored_params.size()));
   int64_t count = 0;
   // Parameters an inner unit already manages hold this rank's shard (its size differs by rank);
   // they were agreed on when that unit was made.
@@ -234,7 +234,7 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
                 "fully_shard: ", modules[index]->name(), " is already an FSDP unit; apply fully_shard once per module");
   }
   std::unordered_set<const c10::TensorImpl*> ignored;
-  for (const auto& tensor : options.ignored_parameters) ignored.insert(tensor.unsafeGetTensorImpl());
+  for (const auto& tensor : options.ignored_params) ignored.insert(tensor.unsafeGetTensorImpl());
 
   // Before any collective: ranks that shard different modules, or the same with other options,
   // would otherwise abort inside Gloo or wait for each other until the timeout.
@@ -272,16 +272,16 @@ FSDPModule fully_shard(const std::vector<std::shared_ptr<torch::nn::Module>>& mo
       parameters.push_back(std::move(parameter));
     }
   }
-  if (options.mixed_precision.buffer_dtype || options.sync_module_states) {
+  if (options.mp_policy.buffer_dtype || options.fsdp1.sync_module_states) {
     at::NoGradGuard no_grad;
     for (const auto& [prefix, managed] : managed_modules) {
       for (const auto& item : managed->named_buffers(/*recurse=*/false)) {
         auto buffer = item.value();
         if (!buffer.defined()) continue;
-        if (options.mixed_precision.buffer_dtype && at::isFloatingType(buffer.scalar_type())) {
-          buffer.set_data(buffer.to(*options.mixed_precision.buffer_dtype));
+        if (options.mp_policy.buffer_dtype && at::isFloatingType(buffer.scalar_type())) {
+          buffer.set_data(buffer.to(*options.mp_policy.buffer_dtype));
         }
-        if (options.sync_module_states && context.world_size() > 1) {
+        if (options.fsdp1.sync_module_states && context.world_size() > 1) {
           // The same broadcast on every rank whatever its layout (see ParamGroup::initialize).
           auto received = buffer.contiguous();
           broadcast(context.world(), received, 0);

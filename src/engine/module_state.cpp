@@ -87,7 +87,7 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::forward_prefetch_targets(Par
   const size_t position = forward_order_.size();
   forward_order_.push_back(&group);
   if (group.forward_prefetch()) return within_all_gather_limit(group, lock_all(*group.forward_prefetch()));
-  if (!root_->options().forward_prefetch) return {};
+  if (!root_->options().fsdp1.forward_prefetch) return {};
   if (position + 1 >= previous_forward_order_.size() || previous_forward_order_[position] != &group) return {};
   ParamGroup* next = previous_forward_order_[position + 1];
   if (next == &group) return {};
@@ -96,7 +96,7 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::forward_prefetch_targets(Par
 
 std::vector<std::shared_ptr<ParamGroup>> RootState::within_all_gather_limit(
     const ParamGroup& group, std::vector<std::shared_ptr<ParamGroup>> targets) const {
-  const auto& limit = root_->options().max_all_gathers_in_flight;
+  const auto& limit = root_->options().fsdp1.max_all_gathers_in_flight;
   if (!limit) return targets;
   // FSDP1's rate limiter, without blocking: what is in flight now, plus `group`'s own all-gather
   // (issued first), plus each target that needs one, may not exceed the limit.
@@ -121,14 +121,14 @@ std::vector<std::shared_ptr<ParamGroup>> RootState::backward_prefetch_targets(Pa
   if (has_index && after_gradients) indices.clear();
   if (has_index && !after_gradients) indices.pop_back();
   if (group.backward_prefetch()) return within_all_gather_limit(group, lock_all(*group.backward_prefetch()));
-  if (!root_->options().backward_prefetch || !has_index || index == 0) return {};
+  if (!root_->options().fsdp1.backward_prefetch || !has_index || index == 0) return {};
   ParamGroup* previous = post_forward_order_[index - 1];
   if (previous == &group) return {};
   return within_all_gather_limit(group, {previous->shared_from_this()});
 }
 
 bool RootState::prefetches_after_gradients() const {
-  return root_->options().backward_prefetch == BackwardPrefetch::kBackwardPost;
+  return root_->options().fsdp1.backward_prefetch == BackwardPrefetch::kBackwardPost;
 }
 
 void RootState::on_backward_hook() {
@@ -288,7 +288,7 @@ void run_pre_forward(ParamGroup& group) {
 at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input) {
   if (!input.defined()) return input;
   at::Tensor result = input;
-  const auto& policy = group.options().mixed_precision;
+  const auto& policy = group.options().mp_policy;
   if (policy.param_dtype && policy.cast_forward_inputs && at::isFloatingType(input.scalar_type()) &&
       input.scalar_type() != *policy.param_dtype) {
     result = input.to(*policy.param_dtype);
@@ -303,7 +303,7 @@ at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input) {
 
 void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs) {
   const bool grad_enabled = c10::GradMode::is_enabled();
-  const auto& output_dtype = group.options().mixed_precision.output_dtype;
+  const auto& output_dtype = group.options().mp_policy.output_dtype;
   if (output_dtype) {
     for (auto* output : outputs) {
       if (output->defined() && at::isFloatingType(output->scalar_type())) *output = output->to(*output_dtype);

@@ -2,7 +2,7 @@
 // unit's forward: which unit is the root, the training iteration in progress, the end-of-backward
 // callback.
 //
-// [Note: one training iteration]
+// Note [one training iteration]
 // An iteration starts at the first forward with grad mode on: every unit moves its sharded gradients
 // aside (param_group.h). Each unit all-gathers at its forward. Its floating inputs that require grad
 // pass through an identity autograd function whose backward runs once the unit's whole backward for
@@ -19,7 +19,7 @@
 // hook had fired; that let one rank reduce a unit mid-backward while another deferred it, and it
 // freed gathered weights that a frozen parameter's backward still needed.
 //
-// [Note: prefetch]
+// Note [prefetch]
 // On CUDA, FSDP2 overlaps the next unit's all-gather with the current unit's compute because the CPU
 // runs ahead of the GPU streams ("implicit prefetch"). On CPU nothing runs ahead, so the overlap is
 // made explicit: a unit issues its own all-gather, then the next unit's (forward: the one that ran

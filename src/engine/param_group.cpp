@@ -120,7 +120,7 @@ void ParamGroup::initialize() {
   }
   at::NoGradGuard no_grad;
 
-  if (options_.sync_module_states && world.size() > 1) {
+  if (options_.fsdp1.sync_module_states && world.size() > 1) {
     // Rank 0's values are the truth (FSDP1's sync_module_states). Every rank must issue the same
     // broadcasts, so nothing here may depend on what this rank holds: a parameter whose storage was
     // released (cpu_ram_efficient_loading on ranks other than 0) receives into a fresh tensor, and a
@@ -166,7 +166,7 @@ void ParamGroup::initialize() {
   // shards are in host memory already and offload holds by construction.
   device_ = parameter_device;
   storage_device_ = parameter_device;
-  if (options_.offload.offload_params) {
+  if (options_.offload_policy.offload_params) {
     if (!device_.is_cuda()) device_ = default_device(context_.environment().local_rank);
     storage_device_ = c10::Device(c10::kCPU);
   }
@@ -182,8 +182,8 @@ void ParamGroup::initialize() {
     TORCH_CHECK(!parameter.parameter.grad().defined(), on_rank(), "fully_shard: parameter '", parameter.name,
                 "' already has a gradient of the full shape, which the sharded parameter cannot keep. Reset it first "
                 "(parameter.mutable_grad() = torch::Tensor(), or build the optimizer after sharding)");
-    parameter.init_sharded(shard_size, rank, options_.mixed_precision.param_dtype,
-                           offloaded_ ? std::optional<bool>(options_.offload.pin_memory) : std::nullopt);
+    parameter.init_sharded(shard_size, rank, options_.mp_policy.param_dtype,
+                           offloaded_ ? std::optional<bool>(options_.offload_policy.pin_memory) : std::nullopt);
     if (parameter.compute_dtype != parameter.original_dtype) unshard_is_identity_ = false;
     // Every parameter's shard at an aligned offset of one all-gather row, and its N shards at an
     // aligned offset of the unsharded buffer.
@@ -227,7 +227,7 @@ void ParamGroup::refresh_trainable_parameters() {
     if (!parameter.requires_grad) continue;
     if (!trainable.empty()) {
       const auto* first = trainable.front();
-      TORCH_CHECK(options_.mixed_precision.reduce_dtype || parameter.compute_dtype == first->compute_dtype, on_rank(),
+      TORCH_CHECK(options_.mp_policy.reduce_dtype || parameter.compute_dtype == first->compute_dtype, on_rank(),
                   description(), ": trainable parameters '", first->name, "' (", first->compute_dtype, ") and '",
                   parameter.name, "' (", parameter.compute_dtype,
                   ") have different dtypes, so their gradients cannot be reduced together. Give every trainable "
@@ -240,7 +240,7 @@ void ParamGroup::refresh_trainable_parameters() {
   const auto flat = flat_shard_layout(trainable_layouts);
   for (size_t index = 0; index < trainable.size(); ++index) trainable[index]->reduce_offset = flat.offsets[index];
   trainable_count_ = static_cast<int64_t>(trainable.size());
-  reduce_dtype_ = options_.mixed_precision.reduce_dtype;
+  reduce_dtype_ = options_.mp_policy.reduce_dtype;
   if (!reduce_dtype_ && !trainable.empty()) reduce_dtype_ = trainable.front()->compute_dtype;
   // One flag per trainable parameter follows the shards: whether any rank had a gradient for it.
   reduce_row_numel_ = flat.numel + trainable_count_;

@@ -1,7 +1,7 @@
 // One FSDP unit (FSDP2's FSDPParamGroup): the parameters of one or more modules that are gathered
 // with one all-gather and whose gradients are reduced with one reduce-scatter.
 //
-// [Note: storage, not tensors, is what gets freed]
+// Note [storage, not tensors, is what gets freed]
 // Autograd saves views of the parameters it multiplies with (a Linear saves `weight.t()`, a view of
 // the weight's storage at forward time). Swapping the parameter's data with `set_data` after forward
 // would leave those views pointing at the old full storage, so nothing would be freed and backward
@@ -13,13 +13,13 @@
 // itself (the TensorImpl the optimizer and the user hold) never changes identity: `set_data` points
 // it at the sharded view (between steps) or at the unsharded view.
 //
-// [Note: gradients while unsharded]
+// Note [gradients while unsharded]
 // AccumulateGrad writes a full-shape gradient into `param.grad`, which must therefore be empty when
 // backward runs. From the start of a training iteration (the first forward with grad mode on) until
 // its end (the end of backward), each parameter's sharded gradient is stashed in the unit and put
 // back afterwards, so between steps `param.grad()` is the sharded gradient the optimizer expects.
 //
-// [Note: resharding after forward to a smaller group]
+// Note [resharding after forward to a smaller group]
 // An integer reshard_after_forward k (FSDP2's int, ZeRO++'s hpZ) sits between true and false: after
 // forward each rank keeps not its 1/N shard (true: backward all-gathers over all N) nor everything
 // (false) but 1/k of the unsharded parameters, so backward's all-gather runs over a group of k
@@ -77,7 +77,7 @@ const char* to_string(TrainingState state);
 /// together.
 std::string on_rank(const DistributedContext& context);
 
-/// [Note: overlapping reductions]
+/// Note [overlapping reductions]
 /// A unit's reduce-scatter (or NO_SHARD all-reduce) is issued asynchronously, so Gloo moves the bytes
 /// while autograd computes the next units' gradients, as DDP overlaps its buckets. The tree keeps at
 /// most two reductions in flight (their buffers are the extra memory) and finishes them in issue
@@ -102,7 +102,7 @@ struct PendingUnshard {
   bool post_forward = false;
 };
 
-/// [Note: gradient flags]
+/// Note [gradient flags]
 /// Each reduce-scatter row carries, after the gradients, one flag per trainable parameter: 1 where
 /// this rank had a gradient. After the reduction a flag is non-zero where any rank had one, and a
 /// parameter that no rank had a gradient for must be left without one, as in single-process training

@@ -9,7 +9,8 @@
 
 namespace fsdp::detail {
 
-/// Note [reading untrusted files]: every byte a reader takes from disk may be hostile or half
+/// Note [reading untrusted files]
+/// Every byte a reader takes from disk may be hostile or half
 /// written, so every reader opens its file through this one type, which applies one policy:
 /// - regular files only: a FIFO in place of a file would block the open or the first read forever
 ///   (opened with O_NONBLOCK, then refused); a directory or a device is not a file. Symbolic links

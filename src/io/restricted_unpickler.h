@@ -1,7 +1,7 @@
 // A pickle reader for files written by Python that must be read without running Python: the
 // `.metadata` of PyTorch's distributed checkpoints (DCP) and the small objects inside them.
 //
-// [Note: a restricted unpickler]
+// Note [a restricted unpickler]
 // A pickle is a program for a stack machine whose GLOBAL, REDUCE and NEWOBJ opcodes import and
 // call arbitrary Python. This reader runs the machine without calling anything: a global becomes a
 // named value, and a call or a NEWOBJ of an allowed global becomes an Object holding the callee, its

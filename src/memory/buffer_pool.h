@@ -35,7 +35,7 @@ at::Tensor pooled_bytes(int64_t nbytes, c10::Device device = c10::kCPU);
 /// it is left without memory, so call it only once nothing reads them any more.
 void return_pooled_bytes(const at::Tensor& tensor);
 
-/// [Note: a block returns after its last use]
+/// Note [a block returns after its last use]
 /// The issuer of a collective is done with its send buffer as soon as it is issued, but the transport
 /// is not: it reads the block until the collective completes. FSDP2 on CUDA records the collective's
 /// stream on the block so the caching allocator reuses it only after that work; this is the same

@@ -2,9 +2,9 @@
 // device-generic interfaces (c10::Stream, c10::Event, the device's guard implementation) so that
 // the engine never includes a CUDA header and the same code runs, as no-ops, on CPU.
 //
-// Note [streams of a unit] (FSDP2's, torch/distributed/fsdp/_fully_shard/_fsdp_state.py and
-// _fsdp_param_group.py): on a GPU the engine keeps
-// two kinds of work off the compute stream, each on a stream of its own per device:
+// Note [streams of a unit]
+// FSDP2's (torch/distributed/fsdp/_fully_shard/_fsdp_state.py and _fsdp_param_group.py): on a GPU
+// the engine keeps two kinds of work off the compute stream, each on a stream of its own per device:
 //   - kAllGather: the all-gather copy-in and the issue of the all-gather, after waiting for the
 //     compute stream's work so far (the optimizer step that wrote the shards). NCCL then runs the
 //     collective on its own stream, which waits for this one, not for the compute stream: the next

@@ -12,8 +12,8 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/dcp_metadata.h"
-#include "checkpoint/dcp_reader.h"
 #include "checkpoint/hf_shards.h"
+#include "checkpoint/sharded_directory.h"
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
 #include "io/atomic_file.h"
@@ -43,13 +43,14 @@ void check_input(const std::string& checkpoint_dir) {
               "merge: '", checkpoint_dir,
               "' is a FULL_STATE_DICT checkpoint: its pytorch_model_fsdp file already holds "
               "the full weights, so there is nothing to merge");
-  // A PyTorch distributed checkpoint (what Accelerate's FSDP2 saves): read by DcpDirectoryReader.
-  if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile) && detail::is_dcp_directory(checkpoint_dir)) return;
-  if (!fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
+  // Note [sharded directories]: DCP (what fsdp.cpp and Accelerate's FSDP2 save) or rank files.
+  const auto format = detail::sharded_directory_format(checkpoint_dir);
+  if (format == detail::ShardedFormat::kDcp) return;
+  if (format == detail::ShardedFormat::kNone) {
     std::vector<std::string> sharded;
     for (const auto& item : fs::directory_iterator(checkpoint_dir)) {
       if (item.is_directory() &&
-          (fs::exists(item.path() / kShardedMetadataFile) || detail::is_dcp_directory(item.path().string()))) {
+          detail::sharded_directory_format(item.path().string()) != detail::ShardedFormat::kNone) {
         sharded.push_back(item.path().filename());
       }
     }
@@ -75,8 +76,7 @@ void check_input(const std::string& checkpoint_dir) {
 using Output = detail::ShardFile;
 
 /// Writes the rows of `name` into `writer`, at most kReadBufferBytes at a time.
-template <typename Reader>
-void stream_tensor(const Reader& reader, const std::string& name, const ByteWriter& writer,
+void stream_tensor(const detail::ShardedDirectory& reader, const std::string& name, const ByteWriter& writer,
                    const std::function<void(int64_t)>& advance) {
   const auto shape = reader.shape(name);
   if (shape.empty()) {
@@ -99,9 +99,9 @@ void stream_tensor(const Reader& reader, const std::string& name, const ByteWrit
   }
 }
 
-template <typename Reader>
-MergeResult write_merged(const Reader& reader, const nlohmann::json& extra, const std::string& checkpoint_dir,
-                         const std::string& output_path, const MergeOptions& options) {
+MergeResult write_merged(const detail::ShardedDirectory& reader, const nlohmann::json& extra,
+                         const std::string& checkpoint_dir, const std::string& output_path,
+                         const MergeOptions& options) {
   const bool optimizer = extra.contains("optimizer");
   const std::string stem = optimizer ? "optimizer" : "model";
 
@@ -244,7 +244,7 @@ MergeResult write_merged(const Reader& reader, const nlohmann::json& extra, cons
 
 }  // namespace
 
-int64_t parse_byte_size(const std::string& text) {
+int64_t detail::parse_byte_size(const std::string& text) {
   static const std::vector<std::pair<std::string, double>> units = {
       {"KIB", 1024.0}, {"MIB", 1048576.0}, {"GIB", 1073741824.0}, {"TIB", 1099511627776.0},
       {"KB", 1e3},     {"MB", 1e6},        {"GB", 1e9},           {"TB", 1e12},
@@ -325,19 +325,14 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
               options.max_shard_size);
   TORCH_CHECK(options.safe_serialization || options.max_shard_size == 0,
               "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
-  if (detail::is_dcp_directory(checkpoint_dir) && !fs::exists(fs::path(checkpoint_dir) / kShardedMetadataFile)) {
-    detail::DcpDirectoryReader reader(checkpoint_dir);
-    nlohmann::json extra = nlohmann::json::object();
-    if (!reader.byte_item_keys().empty()) {
-      // An optimizer (its parameter groups are the byte items): merged like a FULL checkpoint's optimizer.bin.
-      const auto groups = detail::dcp_param_groups(reader, "");
-      extra["optimizer"] = groups.optimizer;
-      extra["param_groups"] = nlohmann::json::parse(groups.json);
-    }
-    return write_merged(reader, extra, checkpoint_dir, output_path, options);
+  const auto reader = detail::open_sharded_directory(checkpoint_dir);
+  nlohmann::json extra = nlohmann::json::object();
+  if (const auto groups = reader->optimizer_groups("")) {
+    // An optimizer: merged like a FULL checkpoint's optimizer.bin.
+    extra["optimizer"] = groups->optimizer;
+    extra["param_groups"] = nlohmann::json::parse(groups->json);
   }
-  ShardedDirectoryReader reader(checkpoint_dir);
-  return write_merged(reader, nlohmann::json::parse(reader.extra_json()), checkpoint_dir, output_path, options);
+  return write_merged(*reader, extra, checkpoint_dir, output_path, options);
 }
 
 }  // namespace fsdp

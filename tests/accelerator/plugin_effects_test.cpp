@@ -29,12 +29,12 @@ std::string describe(const FullyShardOptions& options) {
   std::ostringstream text;
   text << "strategy=" << to_string(options.sharding_strategy)
        << " reshard=" << (options.reshard_after_forward ? options.reshard_after_forward->to_string() : "-")
-       << " mp=" << dtype_text(options.mixed_precision.param_dtype) << "/"
-       << dtype_text(options.mixed_precision.reduce_dtype) << "/" << dtype_text(options.mixed_precision.buffer_dtype)
-       << "/" << dtype_text(options.mixed_precision.output_dtype) << " offload=" << options.offload.offload_params
-       << " sync=" << options.sync_module_states << " forward_prefetch=" << options.forward_prefetch
-       << " backward_prefetch=" << (options.backward_prefetch ? static_cast<int>(*options.backward_prefetch) : 0)
-       << " max_all_gathers=" << options.max_all_gathers_in_flight.value_or(0);
+       << " mp=" << dtype_text(options.mp_policy.param_dtype) << "/" << dtype_text(options.mp_policy.reduce_dtype)
+       << "/" << dtype_text(options.mp_policy.buffer_dtype) << "/" << dtype_text(options.mp_policy.output_dtype)
+       << " offload=" << options.offload_policy.offload_params << " sync=" << options.fsdp1.sync_module_states
+       << " forward_prefetch=" << options.fsdp1.forward_prefetch << " backward_prefetch="
+       << (options.fsdp1.backward_prefetch ? static_cast<int>(*options.fsdp1.backward_prefetch) : 0)
+       << " max_all_gathers=" << options.fsdp1.max_all_gathers_in_flight.value_or(0);
   return text.str();
 }
 
@@ -92,7 +92,7 @@ Outcome prepare_with(const DistributedContext& context, const Args& args, const 
     return outcome;
   }
   for (const auto& unit : fsdp_modules(*model)) {
-    effect << "unit " << unit.description() << " parameters " << unit.sharded_parameters().size() << "\n";
+    effect << "unit " << unit.description() << " parameters " << detail::sharded_parameters(unit).size() << "\n";
   }
   for (const auto& item : model->named_modules()) {
     if (is_checkpointed(*item.value())) effect << "checkpointed " << item.key() << "\n";

@@ -84,7 +84,11 @@ TEST(AcceleratorState, SaveStateAndLoadStateUseThePluginsLayout) {
     torch::optim::AdamW optimizer(testing::unique_parameters(*model));
     accelerator.prepare(model, optimizer);
     const auto before = testing::full_parameters(*model);
-    accelerator.save_state(directory, TrainingProgress{5, 60, {{"last_epoch", 5}}});
+    TrainingProgress saved;
+    saved.step = 5;
+    saved.data_position = 60;
+    saved.scheduler = {{"last_epoch", 5}};
+    accelerator.save_state(directory, saved);
     EXPECT_TRUE(fs::exists(fs::path(directory) / "pytorch_model_fsdp.bin"));
     EXPECT_TRUE(fs::exists(fs::path(directory) / "optimizer.bin"));
     {

@@ -23,6 +23,14 @@ namespace fsdp {
 namespace {
 
 struct SideBySideCase {
+  SideBySideCase(std::string name_, std::map<std::string, std::string> environment_,
+                 std::optional<std::string> mixed_precision_ = std::nullopt,
+                 std::optional<bool> forward_prefetch_ = std::nullopt, std::string accepted_on_purpose_ = "")
+      : name(std::move(name_)),
+        environment(std::move(environment_)),
+        mixed_precision(std::move(mixed_precision_)),
+        forward_prefetch(forward_prefetch_),
+        accepted_on_purpose(std::move(accepted_on_purpose_)) {}
   std::string name;
   std::map<std::string, std::string> environment;
   /// mixed_precision_policy as a string argument, when set.

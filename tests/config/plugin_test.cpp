@@ -7,6 +7,8 @@
 
 #include <nlohmann/json.hpp>
 
+#include "config/plugin_fields.h"
+#include "config/text.h"
 #include "harness/error_message.h"
 
 namespace fsdp {
@@ -753,9 +755,9 @@ TEST(Plugin, WarningsAreOneReadableMessage) {
 }
 
 TEST(Plugin, BoolStringsAndFsdpSwitch) {
-  for (const char* yes : {"y", "YES", "t", "True", "on", "1"}) EXPECT_TRUE(parse_bool(yes, "x")) << yes;
-  for (const char* no : {"n", "No", "f", "FALSE", "off", "0"}) EXPECT_FALSE(parse_bool(no, "x")) << no;
-  EXPECT_THROW(parse_bool("2", "x"), c10::Error);
+  for (const char* yes : {"y", "YES", "t", "True", "on", "1"}) EXPECT_TRUE(detail::parse_bool(yes, "x")) << yes;
+  for (const char* no : {"n", "No", "f", "FALSE", "off", "0"}) EXPECT_FALSE(detail::parse_bool(no, "x")) << no;
+  EXPECT_THROW(detail::parse_bool("2", "x"), c10::Error);
   EXPECT_TRUE(fsdp_enabled_by_environment({{"ACCELERATE_USE_FSDP", "1"}}));  // Accelerate: only "true" (Q14)
   EXPECT_TRUE(fsdp_enabled_by_environment({{"ACCELERATE_USE_FSDP", "TRUE"}}));
   EXPECT_FALSE(fsdp_enabled_by_environment({{"ACCELERATE_USE_FSDP", "false"}}));
@@ -766,27 +768,8 @@ TEST(Plugin, JsonNamesEveryFieldWithItsSource) {
   auto plugin = resolve_plugin({}, {{"FSDP_STATE_DICT_TYPE", "SHARDED_STATE_DICT"}},
                                {{"FSDP_STATE_DICT_TYPE", "key k in f.yaml"}});
   const auto json = plugin.to_json();
-  for (const char* field : {"fsdp_version",
-                            "sharding_strategy",
-                            "reshard_after_forward",
-                            "backward_prefetch",
-                            "mixed_precision_policy",
-                            "auto_wrap_policy",
-                            "cpu_offload",
-                            "ignored_modules",
-                            "state_dict_type",
-                            "state_dict_config",
-                            "optim_state_dict_config",
-                            "limit_all_gathers",
-                            "use_orig_params",
-                            "param_init_fn",
-                            "sync_module_states",
-                            "forward_prefetch",
-                            "activation_checkpointing",
-                            "activation_checkpointing_offload",
-                            "cpu_ram_efficient_loading",
-                            "transformer_cls_names_to_wrap",
-                            "min_num_params"}) {
+  for (const auto& row : detail::plugin_fields()) {  // Note [one table of plugin fields]
+    const char* field = row.name;
     EXPECT_NE(json.find(std::string("\"") + field + "\""), std::string::npos) << field;
   }
   EXPECT_NE(json.find("environment variable FSDP_STATE_DICT_TYPE set from key k in f.yaml"), std::string::npos) << json;

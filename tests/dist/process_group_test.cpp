@@ -11,6 +11,7 @@
 #include <sstream>
 
 #include "dist/control_channel.h"
+#include "dist/node_layout.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
 #include "launch/launcher.h"
@@ -21,18 +22,18 @@ namespace {
 using testing::error_message_of;
 
 TEST(PlanNodeLayout, TwoMachinesOfTwo) {
-  std::vector<RankReport> reports = {{0, 0, 2, 0}, {1, 1, 2, 0}, {2, 0, 2, 1}, {3, 1, 2, 1}};
-  auto layout = plan_node_layout(reports);
+  std::vector<detail::RankReport> reports = {{0, 0, 2, 0}, {1, 1, 2, 0}, {2, 0, 2, 1}, {3, 1, 2, 1}};
+  auto layout = detail::plan_node_layout(reports);
   EXPECT_EQ(layout.num_nodes, 2);
   EXPECT_EQ(layout.intra_node_groups, (std::vector<std::vector<int64_t>>{{0, 1}, {2, 3}}));
   EXPECT_EQ(layout.cross_node_groups, (std::vector<std::vector<int64_t>>{{0, 2}, {1, 3}}));
 }
 
 TEST(PlanNodeLayout, DisagreementIsNamed) {
-  auto message = error_message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 1, 1}}); });
+  auto message = error_message_of([] { detail::plan_node_layout({{0, 0, 2, 0}, {1, 0, 1, 1}}); });
   EXPECT_NE(message.find("disagree on LOCAL_WORLD_SIZE"), std::string::npos) << message;
   EXPECT_NE(message.find("rank 1 has 1"), std::string::npos) << message;
-  message = error_message_of([] { plan_node_layout({{0, 0, 2, 0}, {1, 0, 2, 0}}); });
+  message = error_message_of([] { detail::plan_node_layout({{0, 0, 2, 0}, {1, 0, 2, 0}}); });
   EXPECT_NE(message.find("rank 1 reports node 0 and local rank 0"), std::string::npos) << message;
   EXPECT_NE(message.find("--node-rank"), std::string::npos) << message;
 }
@@ -94,7 +95,8 @@ TEST(DistributedContext, ControlMessagesTravelApartFromTheDataGroups) {
     const auto& control = context.control();
     EXPECT_EQ(control.name(), "control");
     EXPECT_EQ(control.global_ranks(), (std::vector<int64_t>{0, 1, 2}));
-    EXPECT_NE(&control.state(), &context.world().state()) << "the control channel must be a group of its own";
+    EXPECT_NE(&detail::state_of(control), &detail::state_of(context.world()))
+        << "the control channel must be a group of its own";
     context.world().reset_bytes_sent();
     control.reset_bytes_sent();
     const auto texts = detail::all_gather_strings(context, std::string(context.rank() * 5, 'x'));

@@ -260,8 +260,8 @@ std::unique_ptr<Trainee> prepare_trainee(const DistributedContext& context, cons
                                                                                   : ShardingStrategy::kHybridShardZero2;
     }
     if (parity.bf16 || parity.fp16) {
-      options.mixed_precision.param_dtype = parity.bf16 ? torch::kBFloat16 : torch::kHalf;
-      options.mixed_precision.reduce_dtype = torch::kFloat;
+      options.mp_policy.param_dtype = parity.bf16 ? torch::kBFloat16 : torch::kHalf;
+      options.mp_policy.reduce_dtype = torch::kFloat;
     }
     for (auto& unit : model.units) fully_shard(unit, context, options);
     fully_shard(model.root, context, options);

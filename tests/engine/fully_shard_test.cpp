@@ -178,7 +178,7 @@ TEST(FullyShard, IntegerReshardAfterForwardTrainsLikeSingleProcessAndGathersBack
           EXPECT_EQ(unit.unsharded_buffer_bytes(), 0) << unit.description();
           // Theory: factor = N / k = 2 padded shards of each parameter, each at a 16-byte boundary.
           int64_t row = 0;
-          for (const auto& info : unit.sharded_parameters()) {
+          for (const auto& info : detail::sharded_parameters(unit)) {
             row = (row + 2 * info.layout.numel_padded_shard * 4 + 15) / 16 * 16;
             EXPECT_EQ(info.parameter.sizes(), at::IntArrayRef(info.layout.sharded_sizes)) << info.name;
           }
@@ -217,7 +217,7 @@ TEST(FullyShard, EachRankStoresOnlyItsShardOfParametersAndOptimizerState) {
     shard_mlp(model, context, {});
     int64_t stored = 0, unsharded_total = 0;
     for (const auto& unit : fsdp_modules(*model)) {
-      for (const auto& info : unit.sharded_parameters()) {
+      for (const auto& info : detail::sharded_parameters(unit)) {
         // The parameter's own storage is its padded shard: nothing of the full tensor remains.
         EXPECT_EQ(info.parameter.sizes(), at::IntArrayRef(info.layout.sharded_sizes)) << info.name;
         EXPECT_EQ(static_cast<int64_t>(info.parameter.storage().nbytes()), info.layout.numel_padded_shard * 4)
@@ -261,7 +261,7 @@ TEST(FullyShard, FullShardFreesUnshardedParametersAfterForwardAndBackward) {
         continue;
       }
       EXPECT_EQ(unit.unsharded_buffer_bytes(), 0) << unit.module()->name();
-      for (const auto& info : unit.sharded_parameters()) {
+      for (const auto& info : detail::sharded_parameters(unit)) {
         EXPECT_EQ(info.parameter.sizes(), at::IntArrayRef(info.layout.sharded_sizes)) << info.name;
       }
     }
@@ -446,8 +446,8 @@ TEST(FullyShard, AUnitCalledTwicePerForwardTrainsLikeSingleProcess) {
       auto [reference, sharded] = testing::twin_models<SharedBlockTwice>(6);
       FullyShardOptions options;
       if (mixed_precision) {
-        options.mixed_precision.param_dtype = torch::kBFloat16;
-        options.mixed_precision.reduce_dtype = torch::kFloat;
+        options.mp_policy.param_dtype = torch::kBFloat16;
+        options.mp_policy.reduce_dtype = torch::kFloat;
       }
       fully_shard(sharded->block.ptr(), context, options);
       fully_shard(sharded.ptr(), context, options);
@@ -526,8 +526,8 @@ void expect_mixed_precision_trains(c10::ScalarType param_dtype) {
   testing::run_on_ranks(2, [param_dtype](const DistributedContext& context) {
     auto [reference, sharded] = testing::twin_models<testing::MlpStack>(7);
     FullyShardOptions options;
-    options.mixed_precision.param_dtype = param_dtype;
-    options.mixed_precision.reduce_dtype = torch::kFloat;
+    options.mp_policy.param_dtype = param_dtype;
+    options.mp_policy.reduce_dtype = torch::kFloat;
     shard_mlp(sharded, context, options);
     auto [inputs, targets] = mlp_batch(0);
     auto output = fsdp::forward(sharded, local_slice(inputs, context));
@@ -573,7 +573,7 @@ TEST(FullyShard, EvaluationWithoutGradFreesEveryUnitIncludingTheRoot) {
 
 TEST(FullyShard, OptionsAndMisuseGiveClearErrors) {
   FullyShardOptions options;
-  options.mixed_precision.param_dtype = torch::kInt;
+  options.mp_policy.param_dtype = torch::kInt;
   auto message = testing::error_message_of([&] { validate(options); });
   EXPECT_NE(message.find("param_dtype must be a floating dtype"), std::string::npos) << message;
 
@@ -609,10 +609,9 @@ TEST(FullyShard, ErrorsNameTheRankAndUnitsByModulePath) {
     EXPECT_EQ(message.rfind(rank + "fully_shard: ", 0), 0u) << message;
     EXPECT_NE(message.find("is already an FSDP unit"), std::string::npos) << message;
     FullyShardOptions options;
-    options.mixed_precision.reduce_dtype = torch::kLong;
+    options.mp_policy.reduce_dtype = torch::kLong;
     message = testing::error_message_of([&] { fully_shard(torch::nn::Linear(2, 2).ptr(), context, options); });
-    EXPECT_EQ(message.rfind(rank + "fully_shard: FullyShardOptions.mixed_precision.reduce_dtype must be a floating", 0),
-              0u)
+    EXPECT_EQ(message.rfind(rank + "fully_shard: FullyShardOptions.mp_policy.reduce_dtype must be a floating", 0), 0u)
         << message;
   });
 }
@@ -668,7 +667,7 @@ TEST(FullyShard, SyncModuleStatesGivesEveryRankRankZerosValuesEvenWithoutStorage
     testing::TinyTransformer model;
     if (context.rank() == 2) release_parameter_storage(*model);
     FullyShardOptions options;
-    options.sync_module_states = true;
+    options.fsdp1.sync_module_states = true;
     for (auto& layer : model->layers) fully_shard(layer.ptr(), context, options);
     fully_shard(model.ptr(), context, options);
     const auto actual = full_parameters(*model);
@@ -681,7 +680,7 @@ TEST(FullyShard, SyncModuleStatesWithoutValuesOnRankZeroIsAnErrorOnEveryRank) {
     testing::TinyTransformer model;
     if (context.rank() == 0) release_parameter_storage(*model);
     FullyShardOptions options;
-    options.sync_module_states = true;
+    options.fsdp1.sync_module_states = true;
     const auto message = testing::error_message_of([&] { fully_shard(model->layers[0].ptr(), context, options); });
     EXPECT_EQ(
         message.rfind("[rank " + std::to_string(context.rank()) + "] fully_shard(sync_module_states): parameter '", 0),
@@ -727,7 +726,7 @@ TEST(FullyShard, GradientsAccumulateAcrossBackwardsWithoutZeroGradScalarsInclude
         reference->forward(input).sum().backward();
       }
       // The reference sums over the whole batch; FSDP averages over ranks, so scale it back.
-      const auto& layout = fsdp_module_of(*model)->sharded_parameters();
+      const auto& layout = detail::sharded_parameters(*fsdp_module_of(*model));
       // Held: find() points into the dict, which a temporary would free at once (found by ASan).
       const auto reference_parameters = reference->named_parameters();
       for (const auto& parameter : layout) {

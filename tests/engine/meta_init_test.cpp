@@ -82,7 +82,7 @@ TEST_P(MetaInitLikeFsdp1, FullStateDictEqualsPyTorchFsdp1) {
     ASSERT_TRUE(has_meta_tensors(*model));
     FullyShardOptions options;
     auto calls = std::make_shared<int>(0);
-    if (with_init_fn) options.param_init_fn = counting_init_fn(calls);
+    if (with_init_fn) options.fsdp1.param_init_fn = counting_init_fn(calls);
     shard_like_fsdp1(model, context, options);
     EXPECT_FALSE(has_meta_tensors(*model));
     if (with_init_fn) {
@@ -120,7 +120,7 @@ TEST(MetaInit, SyncModuleStatesGivesEveryRankRankZerosInitialization) {
     torch::manual_seed(context.rank() == 0 ? 7 : 50 + context.rank());
     auto model = build_on_meta();
     FullyShardOptions options;
-    options.sync_module_states = true;
+    options.fsdp1.sync_module_states = true;
     shard_like_fsdp1(model, context, options);
     const auto actual = testing::full_parameters(*model);
     ASSERT_EQ(actual.size(), expected.size());

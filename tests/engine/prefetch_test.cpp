@@ -1,4 +1,4 @@
-// Prefetch (module_state.h, [Note: prefetch]): while a unit computes, the next unit's all-gather is
+// Prefetch (module_state.h, Note [prefetch]): while a unit computes, the next unit's all-gather is
 // already issued. Observed from inside the units' forward and backward, and checked not to change a
 // single bit of training, including when the sequence of units changes between iterations.
 #include <fsdp/fsdp.h>
@@ -107,8 +107,8 @@ TEST(Prefetch, NeighbouringUnitIsGatheredWhileTheCurrentOneComputes) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
-      options.forward_prefetch = switches.forward;
-      if (!switches.backward) options.backward_prefetch.reset();
+      options.fsdp1.forward_prefetch = switches.forward;
+      if (!switches.backward) options.fsdp1.backward_prefetch.reset();
       auto units = shard_probe_stack(model, context, options);
       for (int step = 0; step < 2; ++step) {
         Observations seen;
@@ -173,8 +173,8 @@ TEST(Prefetch, BackwardPrefetchModesIssueTheAllGatherWhereFsdp1Does) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
-      options.forward_prefetch = false;
-      options.backward_prefetch = mode.prefetch;
+      options.fsdp1.forward_prefetch = false;
+      options.fsdp1.backward_prefetch = mode.prefetch;
       auto units = shard_probe_stack(model, context, options);
       bool gathered = !mode.gathered_during_gradients;
       model->blocks[3]->on_backward = [&] { gathered = units[2].unsharded_buffer_bytes() > 0; };
@@ -203,7 +203,7 @@ TEST(Prefetch, TheAllGatherLimitBoundsWhatIsInFlight) {
       torch::manual_seed(5);
       ProbeStack model;
       FullyShardOptions options;
-      options.max_all_gathers_in_flight = limit;
+      options.fsdp1.max_all_gathers_in_flight = limit;
       auto units = shard_probe_stack(model, context, options);
       units[0].set_modules_to_forward_prefetch({units[1], units[2], units[3]});
       int64_t gathered = 0;
@@ -217,7 +217,7 @@ TEST(Prefetch, TheAllGatherLimitBoundsWhatIsInFlight) {
       for (const auto& unit : fsdp_modules(*model)) EXPECT_EQ(unit.unsharded_buffer_bytes(), 0);
     }
     FullyShardOptions bad;
-    bad.max_all_gathers_in_flight = 0;
+    bad.fsdp1.max_all_gathers_in_flight = 0;
     const auto message = testing::error_message_of([&] { validate(bad); });
     EXPECT_NE(message.find("max_all_gathers_in_flight must be at least 1"), std::string::npos) << message;
   });
@@ -232,8 +232,8 @@ TEST(Prefetch, TrainingIsBitForBitTheSameWithAndWithoutPrefetch) {
       torch::manual_seed(6);
       ProbeStack model;
       FullyShardOptions options;
-      options.forward_prefetch = implicit_prefetch;
-      if (!implicit_prefetch) options.backward_prefetch.reset();
+      options.fsdp1.forward_prefetch = implicit_prefetch;
+      if (!implicit_prefetch) options.fsdp1.backward_prefetch.reset();
       shard_probe_stack(model, context, options);
       torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-2));
       for (int step = 0; step < 4; ++step) {

@@ -122,10 +122,10 @@ std::vector<double> train_llama(const DistributedContext& context, const RunOpti
   models::LlamaForCausalLM model(small_llama());
   model->to(run.device);
   FullyShardOptions options;
-  options.offload.offload_params = run.offload;
+  options.offload_policy.offload_params = run.offload;
   if (run.bf16) {
-    options.mixed_precision.param_dtype = torch::kBFloat16;
-    options.mixed_precision.reduce_dtype = torch::kFloat;
+    options.mp_policy.param_dtype = torch::kBFloat16;
+    options.mp_policy.reduce_dtype = torch::kFloat;
   }
   for (auto& layer : model->model->decoder_layers) fully_shard(layer.ptr(), context, options);
   fully_shard(model.ptr(), context, options);
@@ -230,8 +230,8 @@ TEST(GpuEngine, Fp16TrainingWithTheShardedGradScalerSkipsStepsWithInfs) {
     models::LlamaForCausalLM model(small_llama());
     model->to(rank_device(context));
     FullyShardOptions options;
-    options.mixed_precision.param_dtype = torch::kHalf;
-    options.mixed_precision.reduce_dtype = torch::kFloat;
+    options.mp_policy.param_dtype = torch::kHalf;
+    options.mp_policy.reduce_dtype = torch::kFloat;
     for (auto& layer : model->model->decoder_layers) fully_shard(layer.ptr(), context, options);
     fully_shard(model.ptr(), context, options);
     torch::optim::AdamW optimizer(model->parameters(), torch::optim::AdamWOptions(1e-3));

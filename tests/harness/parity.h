@@ -76,7 +76,7 @@ inline void expect_sharded_gradients_match(torch::nn::Module& sharded, const tor
   for (const auto& item : sharded.named_parameters()) names.emplace(item.value().unsafeGetTensorImpl(), item.key());
   const auto reference_parameters = reference.named_parameters();
   for (const auto& unit : fsdp::fsdp_modules(sharded)) {
-    for (const auto& info : unit.sharded_parameters()) {
+    for (const auto& info : detail::sharded_parameters(unit)) {
       const auto& name = names.at(info.parameter.unsafeGetTensorImpl());
       const auto expected_full = reference_parameters[name].grad();
       const auto& actual = info.parameter.grad();

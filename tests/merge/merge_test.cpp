@@ -306,14 +306,15 @@ TEST(Merge, CommandLineMergesAndReportsErrors) {
 }
 
 TEST(Merge, ParsesByteSizes) {
-  EXPECT_EQ(parse_byte_size("5GB"), 5000000000);
-  EXPECT_EQ(parse_byte_size("500MB"), 500000000);
-  EXPECT_EQ(parse_byte_size("1.5GB"), 1500000000);
-  EXPECT_EQ(parse_byte_size("2GiB"), 2147483648);
-  EXPECT_EQ(parse_byte_size("64kb"), 64000);
-  EXPECT_EQ(parse_byte_size("1000"), 1000);
-  EXPECT_NE(testing::error_message_of([] { parse_byte_size("-5GB"); }).find("is not a size"), std::string::npos);
-  EXPECT_NE(testing::error_message_of([] { parse_byte_size("GB"); }).find("is not a size"), std::string::npos);
+  EXPECT_EQ(detail::parse_byte_size("5GB"), 5000000000);
+  EXPECT_EQ(detail::parse_byte_size("500MB"), 500000000);
+  EXPECT_EQ(detail::parse_byte_size("1.5GB"), 1500000000);
+  EXPECT_EQ(detail::parse_byte_size("2GiB"), 2147483648);
+  EXPECT_EQ(detail::parse_byte_size("64kb"), 64000);
+  EXPECT_EQ(detail::parse_byte_size("1000"), 1000);
+  EXPECT_NE(testing::error_message_of([] { detail::parse_byte_size("-5GB"); }).find("is not a size"),
+            std::string::npos);
+  EXPECT_NE(testing::error_message_of([] { detail::parse_byte_size("GB"); }).find("is not a size"), std::string::npos);
 }
 
 // Issue "Reliability": a metadata.json that lists fewer tensors than the rank files hold (or none)

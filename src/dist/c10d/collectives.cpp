@@ -340,7 +340,7 @@ void CollectiveWork::wait() {
 }
 
 CollectiveWork all_gather_async(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   check_buffer(group, "all_gather", "output", output);
   check_buffer(group, "all_gather", "input", input);
   check_same_device(group, "all_gather", output, input);
@@ -381,7 +381,7 @@ void all_gather(const ProcessGroup& group, const at::Tensor& output, const at::T
 
 CollectiveWork reduce_scatter_async(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input,
                                     const ReduceScatterOptions& options) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   check_buffer(group, "reduce_scatter", "output", output);
   check_buffer(group, "reduce_scatter", "input", input);
   check_same_device(group, "reduce_scatter", output, input);
@@ -459,7 +459,7 @@ void reduce_scatter(const ProcessGroup& group, const at::Tensor& output, const a
 }
 
 CollectiveWork all_reduce_async(const ProcessGroup& group_handle, const at::Tensor& tensor, ReduceOp op) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   check_buffer(group, "all_reduce", "input", tensor);
   group.record("all_reduce", tensor.numel() * tensor.element_size());
   if (group.size == 1) return completed_work();
@@ -546,7 +546,7 @@ void all_reduce(const ProcessGroup& group, const at::Tensor& tensor, ReduceOp op
 }
 
 CollectiveWork broadcast_async(const ProcessGroup& group_handle, const at::Tensor& tensor, int64_t root) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   check_buffer(group, "broadcast", "input", tensor);
   TORCH_CHECK(root >= 0 && root < group.size, "[rank ", group.global_rank, "] broadcast on group '", group.name,
               "': root ", root, " is outside [0, ", group.size, ").");
@@ -583,7 +583,7 @@ void broadcast(const ProcessGroup& group, const at::Tensor& tensor, int64_t root
 }
 
 void barrier(const ProcessGroup& group_handle) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   group.record("barrier", 0);
   if (group.size == 1) return;
   // The exchange of headers is itself the barrier: every member hears from every other, check on or off.

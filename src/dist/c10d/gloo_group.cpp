@@ -150,7 +150,7 @@ void IssueQueue::push(std::function<void()> task) {
 }
 
 void native_all_gather(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   if (group.size == 1) return;
   at::Tensor output_handle = output;  // c10d takes non-const handles to the same tensors
   at::Tensor input_handle = input;
@@ -159,7 +159,7 @@ void native_all_gather(const ProcessGroup& group_handle, const at::Tensor& outpu
 }
 
 void native_reduce_scatter(const ProcessGroup& group_handle, const at::Tensor& output, const at::Tensor& input) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   if (group.size == 1) return;
   c10d::ReduceScatterOptions options;
   options.reduceOp = c10d::ReduceOp::SUM;
@@ -170,7 +170,7 @@ void native_reduce_scatter(const ProcessGroup& group_handle, const at::Tensor& o
 }
 
 void native_all_reduce(const ProcessGroup& group_handle, const at::Tensor& tensor) {
-  auto& group = group_handle.state();
+  auto& group = detail::state_of(group_handle);
   if (group.size == 1) return;
   std::vector<at::Tensor> tensors{tensor};
   auto work = gloo(group).allreduce(tensors, c10d::AllreduceOptions());
