@@ -288,16 +288,17 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
   const std::string version = result.variables[version_field.variable];
   // Quirk Q1: Accelerate exports FULL_SHARD here even when a version-1 file names its strategy
   // under fsdp_reshard_after_forward (which is where `accelerate config` writes it).
-  auto strategy = value_of("fsdp_sharding_strategy");
-  auto reshard = value_of("fsdp_reshard_after_forward");
+  const auto& strategy_field = detail::plugin_field("sharding_strategy");
+  auto strategy = value_of(strategy_field.yaml_key);
+  auto reshard = value_of(detail::plugin_field("reshard_after_forward").yaml_key);
   const bool reshard_is_bool =
       reshard && (detail::to_lower(reshard->first) == "true" || detail::to_lower(reshard->first) == "false");
   if (strategy)
-    set("FSDP_SHARDING_STRATEGY", strategy->first, strategy->second);
+    set(strategy_field.variable, strategy->first, strategy->second);
   else if (version == "1" && reshard && !reshard_is_bool)
-    set("FSDP_SHARDING_STRATEGY", reshard->first, reshard->second);
+    set(strategy_field.variable, reshard->first, reshard->second);
   else
-    set("FSDP_SHARDING_STRATEGY", detail::plugin_field("sharding_strategy").launch_default, "launcher default");
+    set(strategy_field.variable, strategy_field.launch_default, "launcher default");
   for (const auto& field : detail::plugin_fields()) {
     const std::string name = field.name;
     if (!field.variable || !field.yaml_key || name == "fsdp_version" || name == "sharding_strategy") continue;

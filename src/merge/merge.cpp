@@ -10,6 +10,7 @@
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
+#include <optional>
 
 #include "checkpoint/dcp_metadata.h"
 #include "checkpoint/hf_shards.h"
@@ -99,10 +100,12 @@ void stream_tensor(const detail::ShardedDirectory& reader, const std::string& na
   }
 }
 
-MergeResult write_merged(const detail::ShardedDirectory& reader, const nlohmann::json& extra,
+/// `groups`: the optimizer's, when the directory holds an optimizer (merged like a FULL
+/// checkpoint's optimizer.bin); nullopt for a model.
+MergeResult write_merged(const detail::ShardedDirectory& reader, const std::optional<detail::OptimizerGroups>& groups,
                          const std::string& checkpoint_dir, const std::string& output_path,
                          const MergeOptions& options) {
-  const bool optimizer = extra.contains("optimizer");
+  const bool optimizer = groups.has_value();
   const std::string stem = optimizer ? "optimizer" : "model";
 
   std::map<std::string, int64_t> sizes;
@@ -183,8 +186,8 @@ MergeResult write_merged(const detail::ShardedDirectory& reader, const nlohmann:
         if (optimizer) {
           // The same structure as optimizer.bin of a FULL checkpoint.
           OptimizerStateDict state;
-          state.optimizer = extra["optimizer"].get<std::string>();
-          state.param_groups_json = extra["param_groups"].dump();
+          state.optimizer = groups->optimizer;
+          state.param_groups_json = groups->json;
           for (const auto& [name, placeholder] : placeholders) {
             ShardedTensor tensor;
             tensor.local = placeholder;
@@ -207,8 +210,8 @@ MergeResult write_merged(const detail::ShardedDirectory& reader, const nlohmann:
         for (const auto& name : output.tensors) entries.push_back({name, reader.dtype(name), reader.shape(name)});
         std::map<std::string, std::string> metadata;
         if (optimizer) {
-          metadata["optimizer"] = extra["optimizer"].get<std::string>();
-          metadata["param_groups"] = extra["param_groups"].dump();
+          metadata["optimizer"] = groups->optimizer;
+          metadata["param_groups"] = groups->json;
         }
         write_safetensors_streaming(path, entries, metadata,
                                     [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
@@ -326,13 +329,7 @@ MergeResult merge_fsdp_weights(const std::string& checkpoint_dir, const std::str
   TORCH_CHECK(options.safe_serialization || options.max_shard_size == 0,
               "merge: sharded output (max_shard_size) is written as safetensors only; drop unsafe serialization");
   const auto reader = detail::open_sharded_directory(checkpoint_dir);
-  nlohmann::json extra = nlohmann::json::object();
-  if (const auto groups = reader->optimizer_groups("")) {
-    // An optimizer: merged like a FULL checkpoint's optimizer.bin.
-    extra["optimizer"] = groups->optimizer;
-    extra["param_groups"] = nlohmann::json::parse(groups->json);
-  }
-  return write_merged(*reader, extra, checkpoint_dir, output_path, options);
+  return write_merged(*reader, reader->optimizer_groups(""), checkpoint_dir, output_path, options);
 }
 
 }  // namespace fsdp
