@@ -6,9 +6,9 @@
 #include <cmath>
 #include <unordered_set>
 
-#include "engine/module_state.h"
 #include "engine/param_group.h"
 #include "engine/registry.h"
+#include "engine/root_state.h"
 
 namespace fsdp {
 

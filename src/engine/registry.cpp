@@ -4,8 +4,8 @@
 #include <mutex>
 #include <unordered_map>
 
-#include "engine/module_state.h"
 #include "engine/param_group.h"
+#include "engine/root_state.h"
 
 namespace fsdp::detail {
 namespace {

@@ -7,7 +7,6 @@
 
 #include <atomic>
 #include <chrono>
-#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -52,18 +51,6 @@ struct ProcessGroupState {
     std::lock_guard<std::mutex> lock(trace_mutex);
     if (tracing) trace.push_back(std::string(kind) + " " + std::to_string(bytes));
   }
-};
-
-struct RendezvousState {
-  DistributedEnvironment environment;
-  std::shared_ptr<BackendStore> store;
-  ProcessGroup world;
-  ProcessGroup intra_node;
-  ProcessGroup cross_node;
-  ProcessGroup control;
-  /// DistributedContext::consecutive_subgroup's groups by name.
-  std::mutex subgroups_mutex;
-  std::map<std::string, ProcessGroup> subgroups;
 };
 
 /// Connects to (rank 0: hosts) the TCP store at MASTER_ADDR:MASTER_PORT. Throws with the address,
