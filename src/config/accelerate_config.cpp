@@ -309,7 +309,8 @@ FsdpLaunchEnvironment fsdp_launch_environment(const AccelerateConfig* config,
   if (version == "2") {
     // Accelerate's launcher exports these for every version; version 2 does not read them, so only a
     // value the user chose goes to the processes (the plugin warns about it there).
-    for (const char* variable : {"FSDP_FORWARD_PREFETCH", "FSDP_USE_ORIG_PARAMS", "FSDP_SYNC_MODULE_STATES"}) {
+    for (const auto& unread : detail::version_two_unread_fields()) {
+      const std::string variable = detail::plugin_field(unread.name).variable;
       if (result.origins[variable] == "launcher default") {
         result.variables.erase(variable);
         result.origins.erase(variable);

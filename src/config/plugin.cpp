@@ -754,32 +754,27 @@ class Resolver {
            (suggestion.empty() ? std::string(".") : "; did you mean " + suggestion + "?") + " It is ignored.");
     }
     if (plugin_.fsdp_version != 2) return;
-    struct Unread {
-      const char* variable;
-      bool version_two_value;  // what version 2 does anyway: no warning for this value
-      const char* why;
-      bool given_as_argument;
+    // The fields a caller may also pass as arguments, which then win over the variable.
+    const std::map<std::string, bool> given_as_argument = {
+        {"forward_prefetch", args_.forward_prefetch.has_value()},
+        {"use_orig_params", args_.use_orig_params.has_value()},
+        {"sync_module_states", args_.sync_module_states.has_value()},
     };
-    const Unread unread[] = {
-        {variable_of("forward_prefetch"), false, "version 2 prefetches the next unit's all-gather by itself",
-         args_.forward_prefetch.has_value()},
-        {variable_of("use_orig_params"), true, "version 2 always trains the original parameters",
-         args_.use_orig_params.has_value()},
-        {variable_of("sync_module_states"), false,
-         "version 2 does not broadcast rank 0's weights; use cpu_ram_efficient_loading for that",
-         args_.sync_module_states.has_value()},
-    };
-    for (const auto& entry : unread) {
-      auto found = environment_value(entry.variable);
-      if (!found || entry.given_as_argument) continue;
-      if (auto described = origins_.find(entry.variable);
+    for (const auto& unread : detail::version_two_unread_fields()) {
+      const auto argument = given_as_argument.find(unread.name);
+      TORCH_INTERNAL_ASSERT(argument != given_as_argument.end(), "version 2 leaves ", unread.name,
+                            " unread, but the plugin has no argument check for it");
+      const std::string variable = variable_of(unread.name);
+      auto found = environment_value(variable);
+      if (!found || argument->second) continue;
+      if (auto described = origins_.find(variable);
           described != origins_.end() && described->second == "launcher default") {
         continue;
       }
       const auto truth = detail::truth_value(found->value);
-      if (truth && *truth == entry.version_two_value) continue;
-      warn(std::string(entry.variable) + "='" + found->value + "' (from " + found->origin +
-           ") is not read by FSDP version 2: " + entry.why + ". It is ignored.");
+      if (truth && *truth == unread.version_two_value) continue;
+      warn(variable + "='" + found->value + "' (from " + found->origin +
+           ") is not read by FSDP version 2: " + unread.why + ". It is ignored.");
     }
   }
 

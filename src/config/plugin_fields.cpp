@@ -70,4 +70,14 @@ const PluginField& plugin_field(const std::string& name) {
   TORCH_INTERNAL_ASSERT(false, "no plugin field '", name, "' in src/config/plugin_fields.cpp");
 }
 
+const std::vector<VersionTwoUnreadField>& version_two_unread_fields() {
+  static const std::vector<VersionTwoUnreadField> fields = {
+      {"forward_prefetch", false, "version 2 prefetches the next unit's all-gather by itself"},
+      {"use_orig_params", true, "version 2 always trains the original parameters"},
+      {"sync_module_states", false,
+       "version 2 does not broadcast rank 0's weights; use cpu_ram_efficient_loading for that"},
+  };
+  return fields;
+}
+
 }  // namespace fsdp::detail

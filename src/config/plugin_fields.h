@@ -18,6 +18,8 @@ namespace fsdp::detail {
 /// field list and documentation, and the tests' walk over the fields (tests/config/plugin_fields_test.cpp)
 /// are all read from this table, so a field added here is read, exported, shown and tested
 /// everywhere, and one added elsewhere fails that test.
+/// The fields version 2 leaves unread have a short list of their own beside it
+/// (version_two_unread_fields()), which the launcher's exports and the plugin's warning both read.
 struct PluginField {
   /// The field of FullyShardedDataParallelPlugin (and of its Args), and its to_json() key.
   const char* name;
@@ -43,5 +45,19 @@ const std::vector<PluginField>& plugin_fields();
 
 /// The row of field `name` (an internal error when there is none).
 const PluginField& plugin_field(const std::string& name);
+
+/// A field whose variable Accelerate's launcher exports for every version but FSDP version 2 does
+/// not read. The launcher exports such a variable under version 2 only when the user chose its
+/// value; the plugin warns about a chosen value unless it is what version 2 does anyway.
+struct VersionTwoUnreadField {
+  const char* name;
+  /// The value that asks for nothing version 2 lacks, and so is not warned about.
+  bool version_two_value;
+  /// Why version 2 does not read it, for the warning.
+  const char* why;
+};
+
+/// The fields version 2 does not read, in plugin_fields() order.
+const std::vector<VersionTwoUnreadField>& version_two_unread_fields();
 
 }  // namespace fsdp::detail
