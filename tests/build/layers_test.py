@@ -86,7 +86,7 @@ def concept_loops(root, files):
         stems.setdefault(path.stem, set()).add(path.suffix)
         if path.relative_to(root).parts[0] == "src":
             private.add(path.stem)
-    includes = {}  # (stem, suffix) -> {(included stem, how it is written)}
+    includes = {}  # (stem, suffix) -> {included stem: the include, as written, for the message}
     for path in files:
         for _, target in INCLUDE.findall(path.read_text()):
             if layer_of_include(target) in (None, "unplaced public header"):
