@@ -144,7 +144,6 @@ StateDictConfig default_config(StateDictType type) {
   return {};
 }
 
-// Accelerate's str_to_bool words; empty when `text` is none of them.
 // One resolution: the inputs, and the plugin being filled in.
 class Resolver {
  public:
