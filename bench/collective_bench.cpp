@@ -5,26 +5,34 @@
 //
 //   fsdp launch --nproc-per-node 2 -- build/bin/collective_bench [--megabytes 64] [--directory /tmp/x]
 //
-// `--sweep` instead measures each collective at 64 KB to 64 MB (the full buffer; a quarter of the
-// sizes between), ours against Gloo's own algorithm (a ring for all-gather): one JSON line per
-// collective and size, for choosing an algorithm per (N, size). For all-reduce, "direct" is the
-// reduce-scatter then all-gather of the same buffer, "gloo" Gloo's ring all-reduce, and "engine"
-// what fsdp::all_reduce runs (Note [Algorithms by measurement]).
-//   fsdp launch --nproc-per-node 8 -- build/bin/collective_bench --sweep
+// `--sweep` instead times every algorithm the engine has for all-gather, reduce-scatter and
+// all-reduce (Note [Algorithms by measurement]: direct, ring, and on several machines two_level_direct
+// and two_level_ring), through the engine's own calls with the algorithm forced, at 64 KB to 64 MB
+// (the full buffer), on the world group and, with three machines or more, on the group of one rank per
+// machine. Rounds alternate the algorithms; each time is the slowest rank's, each figure the median
+// over rounds with the fastest and slowest round. Rank 0 prints one JSON line per (collective, group,
+// size, algorithm), and with `--table FILE` writes the fastest algorithm per size as rows of the
+// table the engine reads (bench/collective_table.sh merges them into src/dist/collective_algorithms.tsv).
+//   fsdp launch --nproc-per-node 8 -- build/bin/collective_bench --sweep [--rounds 5] [--table rows.tsv]
 #include <fsdp/fsdp.h>
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <filesystem>
+#include <fstream>
 #include <functional>
 #include <iostream>
 
 #include "dist/c10d/backend.h"
 
 namespace {
+
+using fsdp::detail::CollectiveAlgorithm;
+using fsdp::detail::CollectiveOperation;
 
 double median_seconds(const fsdp::DistributedContext& context, int repeats, const std::function<void()>& body) {
   std::vector<double> times;
@@ -39,54 +47,142 @@ double median_seconds(const fsdp::DistributedContext& context, int repeats, cons
   return times[times.size() / 2];
 }
 
-void run_sweep(const fsdp::DistributedContext& context) {
-  const auto& group = context.world();
-  const int64_t world = context.world_size();
-  {
-    // Warm-up: the first collectives of a process pay for connections and first-touch pages.
-    auto full = torch::randn({16384 / world * world});
-    auto shard = torch::randn({16384 / world});
-    for (int index = 0; index < 10; ++index) {
+// One collective of `operation` on `group` with a buffer of `bytes`, timed as the slowest rank saw it.
+double time_once(const fsdp::DistributedContext& context, const fsdp::ProcessGroup& group,
+                 CollectiveOperation operation, const at::Tensor& full, const at::Tensor& shard) {
+  fsdp::barrier(context.control());
+  const auto start = std::chrono::steady_clock::now();
+  switch (operation) {
+    case CollectiveOperation::kAllGather:
       fsdp::all_gather(group, full, shard);
-      fsdp::detail::native_all_gather(group, full, shard);
+      break;
+    case CollectiveOperation::kReduceScatter:
       fsdp::reduce_scatter(group, shard, full);
-      fsdp::detail::native_reduce_scatter(group, shard, full);
+      break;
+    case CollectiveOperation::kAllReduce:
       fsdp::all_reduce(group, full);
+      break;
+  }
+  auto elapsed =
+      torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}, torch::kDouble);
+  fsdp::all_reduce(context.control(), elapsed, fsdp::ReduceOp::kMax);
+  return elapsed.item<double>();
+}
+
+struct Measured {
+  CollectiveOperation operation;
+  int64_t bytes;
+  CollectiveAlgorithm algorithm;
+  double median, fastest, slowest;
+};
+
+// The rows of the engine's table for `shape` from the sweep: per operation, the fastest algorithm at
+// each size, one row per run of sizes with the same winner, each row up to the geometric middle
+// between its largest size and the next one measured.
+std::vector<fsdp::detail::AlgorithmTableRow> table_rows(const std::vector<Measured>& measured,
+                                                        const fsdp::detail::GroupShape& shape,
+                                                        const std::vector<int64_t>& sizes) {
+  std::vector<fsdp::detail::AlgorithmTableRow> rows;
+  for (const auto operation :
+       {CollectiveOperation::kAllGather, CollectiveOperation::kReduceScatter, CollectiveOperation::kAllReduce}) {
+    std::vector<CollectiveAlgorithm> winners;
+    for (const auto bytes : sizes) {
+      const Measured* best = nullptr;
+      for (const auto& entry : measured) {
+        if (entry.operation == operation && entry.bytes == bytes && (!best || entry.median < best->median)) {
+          best = &entry;
+        }
+      }
+      winners.push_back(best->algorithm);
+    }
+    for (size_t index = 0; index < sizes.size(); ++index) {
+      if (index + 1 < sizes.size() && winners[index + 1] == winners[index]) continue;
+      fsdp::detail::AlgorithmTableRow row;
+      row.operation = operation;
+      row.machines = shape.machines;
+      row.ranks_per_machine = shape.ranks_per_machine;
+      row.algorithm = winners[index];
+      row.max_bytes = index + 1 < sizes.size()
+                          ? static_cast<int64_t>(std::sqrt(static_cast<double>(sizes[index] * sizes[index + 1])))
+                          : -1;
+      rows.push_back(row);
     }
   }
-  for (const int64_t bytes : {int64_t{64} << 10, int64_t{256} << 10, int64_t{1} << 20, int64_t{4} << 20,
-                              int64_t{16} << 20, int64_t{64} << 20}) {
-    const int64_t numel = bytes / 4 / world * world;
-    auto full = torch::randn({numel});
-    auto shard = torch::randn({numel / world});
-    // Fewer repeats for the large sizes: each takes long, and their spread is small.
-    const int repeats = bytes >= (int64_t{16} << 20) ? 5 : 15;
-    const double gather = median_seconds(context, repeats, [&] { fsdp::all_gather(group, full, shard); });
-    const double native_gather =
-        median_seconds(context, repeats, [&] { fsdp::detail::native_all_gather(group, full, shard); });
-    const double scatter = median_seconds(context, repeats, [&] { fsdp::reduce_scatter(group, shard, full); });
-    const double native_scatter =
-        median_seconds(context, repeats, [&] { fsdp::detail::native_reduce_scatter(group, shard, full); });
-    const double direct_reduce = median_seconds(context, repeats, [&] {
-      fsdp::reduce_scatter(group, shard, full);
-      fsdp::all_gather(group, full, shard);
-    });
-    const double native_reduce =
-        median_seconds(context, repeats, [&] { fsdp::detail::native_all_reduce(group, full); });
-    const double engine_reduce = median_seconds(context, repeats, [&] { fsdp::all_reduce(group, full); });
-    if (context.rank() != 0) continue;
-    const char* names[] = {"all_gather", "reduce_scatter", "all_reduce"};
-    const double ours[] = {gather, scatter, direct_reduce};
-    const double native[] = {native_gather, native_scatter, native_reduce};
-    for (int op = 0; op < 3; ++op) {
-      // "engine": what fsdp::all_reduce runs (Note [Algorithms by measurement]); for the others, direct.
-      std::printf(
-          "{\"benchmark\": \"collective_sweep\", \"collective\": \"%s\", \"world_size\": %lld, \"bytes\": %lld, "
-          "\"direct_s\": %.6f, \"gloo_s\": %.6f, \"engine_s\": %.6f}\n",
-          names[op], static_cast<long long>(world), static_cast<long long>(numel * 4), ours[op], native[op],
-          op == 2 ? engine_reduce : ours[op]);
+  return rows;
+}
+
+std::vector<Measured> sweep_group(const fsdp::DistributedContext& context, const fsdp::ProcessGroup& group,
+                                  const std::vector<int64_t>& sizes, int rounds) {
+  auto& state = fsdp::detail::state_of(group);
+  const auto shape = state.members->shape;
+  const int64_t size = group.size();
+  std::vector<CollectiveAlgorithm> algorithms;
+  for (const auto algorithm : {CollectiveAlgorithm::kDirect, CollectiveAlgorithm::kRing,
+                               CollectiveAlgorithm::kTwoLevelDirect, CollectiveAlgorithm::kTwoLevelRing}) {
+    if (fsdp::detail::algorithm_applies(algorithm, shape)) algorithms.push_back(algorithm);
+  }
+  std::vector<Measured> measured;
+  for (const auto operation :
+       {CollectiveOperation::kAllGather, CollectiveOperation::kReduceScatter, CollectiveOperation::kAllReduce}) {
+    for (const auto bytes : sizes) {
+      const int64_t numel = bytes / 4 / size * size;
+      auto full = torch::randn({numel});
+      auto shard = torch::randn({numel / size});
+      std::vector<std::vector<double>> times(algorithms.size());
+      // One warm-up each (first touch of the pool's blocks), then rounds that alternate the algorithms.
+      for (int round = 0; round <= rounds; ++round) {
+        for (size_t index = 0; index < algorithms.size(); ++index) {
+          fsdp::detail::force_algorithm(group, operation, algorithms[index]);
+          const double seconds = time_once(context, group, operation, full, shard);
+          if (round > 0) times[index].push_back(seconds);
+        }
+      }
+      fsdp::detail::force_algorithm(group, operation, std::nullopt);
+      for (size_t index = 0; index < algorithms.size(); ++index) {
+        auto& series = times[index];
+        std::sort(series.begin(), series.end());
+        Measured entry{operation,      numel * 4,    algorithms[index], series[series.size() / 2],
+                       series.front(), series.back()};
+        measured.push_back(entry);
+        if (context.rank() != 0) continue;
+        std::printf(
+            "{\"benchmark\": \"collective_sweep\", \"collective\": \"%s\", \"group\": \"%s\", \"machines\": %lld, "
+            "\"ranks_per_machine\": %lld, \"bytes\": %lld, \"algorithm\": \"%s\", \"median_s\": %.6f, "
+            "\"fastest_s\": %.6f, \"slowest_s\": %.6f, \"rounds\": %d}\n",
+            fsdp::detail::to_string(operation), group.name().c_str(), static_cast<long long>(shape.machines),
+            static_cast<long long>(shape.ranks_per_machine), static_cast<long long>(entry.bytes),
+            fsdp::detail::to_string(entry.algorithm), entry.median, entry.fastest, entry.slowest, rounds);
+        std::fflush(stdout);
+      }
     }
-    std::fflush(stdout);
+  }
+  return measured;
+}
+
+void run_sweep(const fsdp::DistributedContext& context, int rounds, const std::string& table_path) {
+  const std::vector<int64_t> sizes = {int64_t{64} << 10, int64_t{256} << 10, int64_t{1} << 20,
+                                      int64_t{4} << 20,  int64_t{16} << 20,  int64_t{64} << 20};
+  {
+    // Warm-up: the first collectives of a process pay for connections and first-touch pages.
+    auto full = torch::randn({16384 / context.world_size() * context.world_size()});
+    auto shard = torch::randn({16384 / context.world_size()});
+    for (int index = 0; index < 10; ++index) {
+      fsdp::all_gather(context.world(), full, shard);
+      fsdp::reduce_scatter(context.world(), shard, full);
+      fsdp::all_reduce(context.world(), full);
+    }
+  }
+  std::vector<const fsdp::ProcessGroup*> groups = {&context.world()};
+  // One rank per machine (HYBRID_SHARD's replicate group): direct and ring differ from 3 machines.
+  if (context.cross_node().size() >= 3) groups.push_back(&context.cross_node());
+  std::string text;
+  for (const auto* group : groups) {
+    const auto measured = sweep_group(context, *group, sizes, rounds);
+    const auto shape = fsdp::detail::state_of(*group).members->shape;
+    text += fsdp::detail::format_algorithm_table(table_rows(measured, shape, sizes), "");
+  }
+  if (context.rank() == 0 && !table_path.empty()) {
+    std::ofstream(table_path) << text;
   }
 }
 
@@ -96,6 +192,8 @@ int main(int argc, char** argv) {
   int64_t megabytes = 64;
   std::string directory = "/tmp/fsdp_collective_bench";
   bool sweep = false;
+  int rounds = 5;
+  std::string table_path;
   for (int index = 1; index < argc; index += 2) {
     const std::string flag = argv[index];
     if (flag == "--sweep") {
@@ -111,8 +209,12 @@ int main(int argc, char** argv) {
       megabytes = std::stoll(argv[index + 1]);
     else if (flag == "--directory")
       directory = argv[index + 1];
+    else if (flag == "--rounds")
+      rounds = std::stoi(argv[index + 1]);
+    else if (flag == "--table")
+      table_path = argv[index + 1];
     else {
-      std::cerr << "usage: collective_bench [--megabytes N] [--directory DIR] | --sweep\n";
+      std::cerr << "usage: collective_bench [--megabytes N] [--directory DIR] | --sweep [--rounds R] [--table FILE]\n";
       return 2;
     }
   }
@@ -120,7 +222,7 @@ int main(int argc, char** argv) {
     auto context = fsdp::DistributedContext::initialize_from_environment();
     const int64_t world = context.world_size();
     if (sweep) {
-      run_sweep(context);
+      run_sweep(context, rounds, table_path);
       return 0;
     }
     const int64_t numel = megabytes * 1000000 / 4 / world * world;

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What a lost machine costs (issue "Training that survives a lost rank", items 2 and 5): two
-machines on this one (network namespaces joined by a veth pair, as bench/two_hosts.sh), each an
+machines on this one (network namespaces joined by a veth pair, as bench/hosts.sh makes them), each an
 `fsdp launch --nnodes 1:2 --max-restarts 1 --nproc-per-node 2` of `train_llama --preset medium`
 with a SHARDED checkpoint every 10 steps. After step 15 host 1's launcher and ranks are killed
 (SIGKILL, the machine gone); host 0 goes on alone from the checkpoint of step 10 on 2 ranks, keeping

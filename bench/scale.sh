@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The scale run: FULL_SHARD with the collective check on and off (Note [Collective check]), PyTorch's
-# DDP and FSDP2 on the same model, global batch and one thread per rank, at N = 2, 4, 8, 16 ranks on
-# this machine. Oversubscribed past its cores: compare peers within an N, not across. Peers alternate
+# The scale run: FULL_SHARD with the collective check on and off (Note [Collective check]; on then off
+# in odd rounds, off then on in even ones, so each round's pair is a paired ratio), PyTorch's DDP and
+# FSDP2 on the same model, global batch and one thread per rank, at N = 2, 4, 8, 16 ranks on this
+# machine. Oversubscribed past its cores: compare peers within an N, not across. Peers alternate
 # within a round so that machine noise hits them alike; medians over rounds. Also the time from main()
 # to the end of the first step (rendezvous, model, fully_shard's agreements, one step) and the bytes
-# rank 0 sent on the control channel by then (Note [Agreement by digest]). First, once per N,
-# `collective_bench --sweep`: each collective at 64 KB to 64 MB, the direct exchange against Gloo's
-# own algorithm (Note [Algorithms by measurement]). Rewrites the tables in bench/README.md between
-# the <!-- scale --> markers.
+# rank 0 sent on the control channel by then (Note [Agreement by digest]). The collectives' own sweep
+# is bench/collective_table.sh. Rewrites the table in bench/README.md between the <!-- scale -->
+# markers.
 #   bench/scale.sh                 N = 2 4 8 16, BENCH_ROUNDS rounds (default 3)
 #   BENCH_WORLD_SIZES="2 4" bench/scale.sh
 set -euo pipefail
@@ -23,14 +23,11 @@ launch() {
   "$bin/fsdp" launch --nproc-per-node "$1" --master-port 0 -- "${@:2}" >> "$results" ||
     { echo "bench: failed: fsdp launch --nproc-per-node $1 -- ${*:2}" >&2; return 1; }
 }
-# The collectives sweep (Note [Algorithms by measurement]), once per N, with the check off: it
-# compares algorithms, and the check costs every one of them the same per collective.
-for n in "${world_sizes[@]}"; do
-  FSDP_CHECK_COLLECTIVES=0 launch "$n" "$bin/collective_bench" --sweep
-done
 for round in $(seq "$rounds"); do
+  order=(1 0)
+  ((round % 2 == 0)) && order=(0 1)
   for n in "${world_sizes[@]}"; do
-    for check in 1 0; do
+    for check in "${order[@]}"; do
       FSDP_CHECK_COLLECTIVES=$check launch "$n" "$bin/step_bench" --strategy FULL_SHARD "${sizes[@]}"
     done
     for peer in ddp fsdp2; do

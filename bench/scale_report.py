@@ -35,7 +35,7 @@ def main():
              f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores) with `{command}`; "
              f"medians over {rounds} rounds. Every rank runs one thread; past 2 ranks the cores are oversubscribed, "
              "so compare within a row, not down the columns.", "",
-             "| ranks | FULL_SHARD step (s) | check off (s) | check cost | / DDP | / FSDP2 | DDP (s) | FSDP2 (s) "
+             "| ranks | FULL_SHARD step (s) | check off (s) | check cost (paired) | / DDP | / FSDP2 | DDP (s) | FSDP2 (s) "
              f"| setup (s) | start to first step (s) | / N={worlds[0] if worlds else '-'} "
              "| control bytes by then, rank 0 | check off |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -51,28 +51,18 @@ def main():
         setup = median(("FULL_SHARD", 1, world), "setup_s")
         control = median(("FULL_SHARD", 1, world), "control_bytes")
         control_off = median(("FULL_SHARD", 0, world), "control_bytes")
-        cost = f"{(on / off - 1) * 100:+.1f} %" if on and off else "-"
+        # The check's cost: the median of each round's ratio (its on and off runs are a pair), with the
+        # smallest and largest.
+        ons, offs = runs.get(("FULL_SHARD", 1, world), []), runs.get(("FULL_SHARD", 0, world), [])
+        ratios = sorted(a["median_step_s"] / b["median_step_s"] - 1 for a, b in zip(ons, offs))
+        cost = (f"{statistics.median(ratios) * 100:+.1f} % ({ratios[0] * 100:+.1f} to {ratios[-1] * 100:+.1f})"
+                if ratios else "-")
         lines.append(f"| {world} | {cell(on)} | {cell(off)} | {cost} | {cell(on / ddp if on and ddp else None, 2)} "
                      f"| {cell(on / fsdp2 if on and fsdp2 else None, 2)} | {cell(ddp)} | {cell(fsdp2)} | {cell(setup, 2)} | {cell(first, 2)} "
                      f"| {cell(first / first_at_two if first and first_at_two else None, 2)} "
                      f"| {int(control) if control is not None else '-'} "
                      f"| {int(control_off) if control_off is not None else '-'} |")
     lines += ["", "![step time against ranks](scale.svg)", ""]
-    sweep = [row for row in rows if row.get("benchmark") == "collective_sweep"]
-    if sweep:
-        sizes = sorted({row["bytes"] for row in sweep})
-        lines += ["**Collective algorithms** (`collective_bench --sweep`, one run per N): the direct exchange's time "
-                  "/ Gloo's own algorithm's (below 1: direct is faster), and the direct time in ms. For all-reduce, "
-                  "direct is the reduce-scatter then all-gather of the buffer. Sizes are the full buffer.", "",
-                  "| collective | ranks | " + " | ".join(f"{size / 2**20:g} MB" for size in sizes) + " |",
-                  "|---|---|" + "---|" * len(sizes)]
-        for collective in ("all_gather", "reduce_scatter", "all_reduce"):
-            for world in sorted({row["world_size"] for row in sweep}):
-                by_size = {row["bytes"]: row for row in sweep if row["collective"] == collective and row["world_size"] == world}
-                cells = [f"{by_size[size]['direct_s'] / by_size[size]['gloo_s']:.2f} ({by_size[size]['direct_s'] * 1e3:.1f})"
-                         if size in by_size and by_size[size]["gloo_s"] > 0 else "-" for size in sizes]
-                lines.append(f"| {collective} | {world} | " + " | ".join(cells) + " |")
-        lines.append("")
     lines.append("<!-- /scale -->")
     series = {}
     for strategy, check, name in PEERS:

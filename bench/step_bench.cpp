@@ -83,7 +83,7 @@ int64_t interface_bytes(const std::string& name) {
 int64_t loopback_bytes() { return interface_bytes("lo"); }
 
 /// The interface Gloo was told to use (GLOO_SOCKET_IFNAME): the link between machines in
-/// bench/two_hosts.sh, whose counter then shows what left this machine. "" when unset.
+/// bench/multi_hosts.sh, whose counter then shows what left this machine. "" when unset.
 std::string link_interface() {
   const char* name = std::getenv("GLOO_SOCKET_IFNAME");
   return name != nullptr ? name : "";
@@ -387,10 +387,16 @@ int main(int argc, char** argv) {
     const fsdp::ProcessGroup* post_forward = reshard_group > 1 && reshard_group < world
                                                  ? &context.consecutive_subgroup(context.world(), reshard_group)
                                                  : nullptr;
-    auto bytes_sent = [&] {
-      const int64_t extra = post_forward ? post_forward->bytes_sent().total() : 0;
-      if (strategy != "HYBRID_SHARD") return context.world().bytes_sent().total() + extra;
-      return context.intra_node().bytes_sent().total() + context.cross_node().bytes_sent().total();
+    // Over the groups the strategy's collectives use: everything this rank sent, or what it sent to
+    // other machines (Note [Byte counters]).
+    auto sent_by = [&](int64_t (*field)(const fsdp::CollectiveByteCounters&)) {
+      const int64_t extra = post_forward ? field(post_forward->bytes_sent()) : 0;
+      if (strategy != "HYBRID_SHARD") return field(context.world().bytes_sent()) + extra;
+      return field(context.intra_node().bytes_sent()) + field(context.cross_node().bytes_sent());
+    };
+    auto bytes_sent = [&] { return sent_by([](const fsdp::CollectiveByteCounters& c) { return c.total(); }); };
+    auto off_machine_sent = [&] {
+      return sent_by([](const fsdp::CollectiveByteCounters& c) { return c.off_machine; });
     };
     // What this rank holds at the optimizer step: the parameters' storage (shards), their gradients
     // and AdamW's two moments. Measured before zero_grad, which frees the gradients (set_to_none is
@@ -414,11 +420,15 @@ int main(int argc, char** argv) {
     const auto setup_done = std::chrono::steady_clock::now();
     auto first_step_done = main_started;
     int64_t bytes_before = 0;
+    int64_t off_machine_before = 0;
     int64_t loopback_before = -1;
     const std::string link = link_interface();
     int64_t link_before = -1;
     for (int64_t step = 0; step < steps + 2; ++step) {
-      if (step == 2) bytes_before = bytes_sent();
+      if (step == 2) {
+        bytes_before = bytes_sent();
+        off_machine_before = off_machine_sent();
+      }
       if (!single) fsdp::barrier(context.world());
       if (step == 2 && context.rank() == 0) {
         loopback_before = loopback_bytes();
@@ -436,6 +446,7 @@ int main(int argc, char** argv) {
       if (step == 0) first_step_done = std::chrono::steady_clock::now();
     }
     const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
+    const int64_t off_machine_per_step = (off_machine_sent() - off_machine_before) / steps;
     const int64_t loopback_after = context.rank() == 0 ? loopback_bytes() : -1;
     const int64_t link_after = context.rank() == 0 && !link.empty() ? interface_bytes(link) : -1;
     const int64_t link_per_step = link_before >= 0 && link_after >= 0 ? (link_after - link_before) / steps : -1;
@@ -463,12 +474,14 @@ int main(int argc, char** argv) {
       theory = (2.0 * parameters * (within - 1) / within + (parameters - root_parameters) * (k - 1) / k) * 4.0;
     }
     if (hybrid) theory += 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
-    // What each rank sends to the other machines per step (L ranks per machine): a collective over
-    // the world sends (N - L) / N of its buffer off the machine; HYBRID_SHARD's and hpZ's
-    // collectives inside the machine send nothing off it, HYBRID_SHARD's all-reduce of each
-    // shard across the R machines 2 (R - 1) / R of it.
+    // What each rank must send to the other machines per step (M machines of L ranks, N = M L): a
+    // collective over the world sends at least (M - 1)/M of its buffer off each machine, (M - 1)/N of
+    // it per rank (Note [Algorithms by measurement]: the two-level algorithms send exactly that);
+    // HYBRID_SHARD's and hpZ's collectives inside the machine send nothing off it, HYBRID_SHARD's
+    // all-reduce of each shard across the M machines 2 (M - 1)/M of it.
     const double machine_ranks = single ? 1.0 : static_cast<double>(context.intra_node().size());
-    const double off_machine = (static_cast<double>(world) - machine_ranks) / static_cast<double>(world);
+    const double machines = single ? 1.0 : static_cast<double>(world) / machine_ranks;
+    const double off_machine = (machines - 1.0) / static_cast<double>(world);
     double cross_host_theory = 0.0;
     if (hybrid)
       cross_host_theory = 2.0 * (replica_ranks - 1) / replica_ranks * parameters * 4.0 / shard_ranks;
@@ -480,7 +493,7 @@ int main(int argc, char** argv) {
       double backward_off_machine = gathered_twice > 0 ? off_machine : 0.0;
       if (post_forward) {
         const double k = static_cast<double>(reshard_group);
-        backward_off_machine = k > machine_ranks ? (k - machine_ranks) / k : 0.0;
+        backward_off_machine = k > machine_ranks ? (k / machine_ranks - 1.0) / k : 0.0;
       }
       cross_host_theory =
           (off_machine * 2.0 * parameters + backward_off_machine * (parameters - root_parameters)) * 4.0;
@@ -500,7 +513,7 @@ int main(int argc, char** argv) {
           "\"peak_rss_mb\": %.1f, \"check_collectives\": %d, \"setup_s\": %.3f, \"start_to_first_step_s\": %.3f, "
           "\"control_bytes\": %lld, \"reshard_after_forward\": %lld, \"link\": \"%s\", \"link_tx_bytes_per_step\": "
           "%lld, "
-          "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld}\n",
+          "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld, \"off_machine_bytes_per_step\": %lld}\n",
           model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
           static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step), theory,
           static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes),
@@ -510,8 +523,8 @@ int main(int argc, char** argv) {
           std::chrono::duration<double>(setup_done - main_started).count(),
           std::chrono::duration<double>(first_step_done - main_started).count(),
           static_cast<long long>(context.control().bytes_sent().total()), static_cast<long long>(reshard_group),
-          link.c_str(), static_cast<long long>(link_per_step), cross_host_theory,
-          static_cast<long long>(machine_ranks));
+          link.c_str(), static_cast<long long>(link_per_step), cross_host_theory, static_cast<long long>(machine_ranks),
+          static_cast<long long>(off_machine_per_step));
     }
     if (!checkpoint_dir.empty()) {
       // SHARDED save of model and AdamW state (fsynced, as every file the library writes), then a

@@ -214,7 +214,7 @@ def main():
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     times = []
     state = 0
-    # The link between machines in bench/two_hosts.sh (what left this machine), as step_bench reads it.
+    # The link between machines in bench/multi_hosts.sh (what left this machine), as step_bench reads it.
     link = os.environ.get("GLOO_SOCKET_IFNAME", "")
     for step in range(args.steps + 2):
         dist.barrier()

@@ -21,16 +21,27 @@
 
 namespace fsdp {
 
-/// Bytes this rank handed to the transport for other ranks, per collective kind, since the group
-/// was created. All-gather and reduce-scatter each send (N-1)/N of the full buffer.
+/// Bytes this rank handed to the transport for other ranks since the group was created (or
+/// reset_bytes_sent), per collective kind and, apart, by where they went (Note [Byte counters],
+/// docs/design.md). All-gather and reduce-scatter each send (N-1)/N of the full buffer; across
+/// machines the two-level algorithms send only (M-1)/M of it off each machine (Note [Algorithms by
+/// measurement]).
 struct CollectiveByteCounters {
   int64_t all_gather = 0;
   int64_t reduce_scatter = 0;
-  int64_t all_reduce = 0;
+  int64_t all_reduce = 0;  // barriers included: an all-reduce of one byte
   int64_t broadcast = 0;
-  /// The headers of the collective check (Note [Collective check], docs/design.md): 256 bytes to
-  /// every peer per collective while FSDP_CHECK_COLLECTIVES is on (the default); 0 with it off.
+  /// The headers that travel beside an NCCL collective (Note [The GPU path]): 256 bytes to every
+  /// peer per GPU collective while FSDP_CHECK_COLLECTIVES is on. A CPU collective's check sends
+  /// nothing (Note [Collective check]): 0.
   int64_t check = 0;
+  /// The same bytes by destination: to ranks on this rank's machine, and to other machines (the node
+  /// layout every rank reported; a group made before it was known counts everything as inside).
+  /// CPU collectives only: NCCL chooses its own paths.
+  int64_t inside_machine = 0;
+  int64_t off_machine = 0;
+  /// Point-to-point messages this rank posted (CPU collectives).
+  int64_t messages = 0;
   int64_t total() const { return all_gather + reduce_scatter + all_reduce + broadcast + check; }
 };
 

@@ -1,36 +1,133 @@
-// Private: which algorithm a CPU collective runs, chosen per (group size, bytes) by measurement.
+// Private: which algorithm a CPU collective runs, read from a table of measurements. Pure, but for
+// engine_algorithm_table(), which reads FSDP_COLLECTIVE_TABLE's file once.
 //
 // Note [Algorithms by measurement]
-// `collective_bench --sweep` times each collective at 64 KB to 64 MB and N = 2, 4, 8, 16 on one
-// machine, with the collective check off (it costs every algorithm the same per collective), ours
-// (the direct exchange: every rank sends each peer its part at once, Note [Collectives on Gloo])
-// against Gloo's own algorithm (a ring), and bench/README.md ("Collective algorithms", from
-// bench/scale.sh) records the table. What it showed, and what the engine therefore does:
-// - all-gather and reduce-scatter: the direct exchange took 0.19-0.79x Gloo's time at every size
-//   at N = 2, 8 and 16, and 0.23-1.30x at N = 4 (at or above 1.0 only from 64 KB to 4 MB, where
-//   both take under 8 ms and 4 ranks share 2 cores): direct everywhere, as before.
-// - all-reduce: Gloo's ring against the direct reduce-scatter then all-gather of the same buffer
-//   (the same 2(N-1)/N bytes). At N = 2 and 4 the ring is faster or equal (direct 0.98-2.3x); at
-//   N = 8 and 16 its 2(N-1) steps in sequence cost it: direct took 0.43-0.67x its time up to 4 MB
-//   and 0.85-1.03x at 16 and 64 MB. So: Gloo's ring below 8 ranks, direct from 8.
-// Both move 2(N-1)/N of the buffer (the direct one pads it to a multiple of N, so for a buffer that
-// does not divide it counts 2(N-1) x ceil(numel/N) elements: Note [Byte counters]). The
-// direct all-reduce's second half needs the first's result, so it runs on the group's issue queue
-// (Note [Collective check]) and `all_reduce_async` still returns at once. On a network the ring's
-// advantage is fewer simultaneous flows per link, which one machine's loopback cannot show: a
-// two-host measurement (not made yet) may move the thresholds, which are this one function. The
-// direct exchange's N-1 messages per rank per collective are the cost at 1000 ranks, where a ring or
-// a tree in its place is the next step.
+// A group's members sit on machines: `machines` machines of `ranks_per_machine` ranks each (the
+// node layout every rank reported at the rendezvous, Note [Process groups]). The CPU collectives
+// have four algorithms, all point-to-point messages on the collective's keyed slot (Note
+// [Collective check]) between the caller's buffers and pooled staging blocks:
+// - direct: every rank exchanges with every peer at once. N-1 messages per rank; each rank sends
+//   (N-1)/N of the buffer, L(N-L)/N of it to other machines. The fewest steps (one), the most
+//   messages and, across machines, the most bytes off each machine.
+// - ring: N-1 steps around the group's ranks in order (a reduction's partial sums travel on). One
+//   message per step; 2 of the ring's N edges leave a machine of a node-major group, so each
+//   machine sends (N-1)/N of the buffer off it, but the N-1 steps are in sequence.
+// - two_level_direct, two_level_ring: inside each machine, then between the ranks of the same local
+//   index across machines (direct, or a ring of the M machines); all-gather crosses first and then
+//   spreads inside the machine, reduce-scatter reduces inside first, all-reduce is the two in a row.
+//   (M-1) + (L-1) messages per rank; each machine sends the minimum off it, (M-1)/M of the buffer
+//   for all-gather and reduce-scatter and 2(M-1)/M for all-reduce. Needs M > 1 and L > 1 and a
+//   group whose rank g is on its g / L-th machine (node-major, as the launchers number ranks).
+// `collective_bench --sweep` runs every algorithm that applies to the group it is started on, the
+// engine's own calls, at 64 KB to 64 MB, and writes the fastest per (operation, layout, bytes) as
+// this table's rows (bench/collective_table.sh runs it on one machine at N = 2 to 16 and on 2 and 4
+// shaped machines, and writes src/dist/collective_algorithms.tsv, which the library embeds). A
+// collective takes the rows of its operation whose layout is of its kind (one machine; one rank per
+// machine; several of each) and nearest to its own (by log2 of machines, then of ranks per
+// machine), and among those the first row whose `up to bytes` holds its buffer. A user measures
+// their own cluster with the same command and points FSDP_COLLECTIVE_TABLE at the file;
+// FSDP_DEBUG=1 prints each choice once per group, operation and row.
 #pragma once
 
 #include <cstdint>
+#include <string>
+#include <vector>
 
 namespace fsdp::detail {
 
-enum class AllReduceAlgorithm { kGlooRing, kDirect };
+enum class CollectiveOperation {
+  /// fsdp::all_gather: every rank's shard to every rank.
+  kAllGather,
+  /// fsdp::reduce_scatter: the reduction of shard r to rank r.
+  kReduceScatter,
+  /// fsdp::all_reduce (and barrier): the reduction to every rank.
+  kAllReduce,
+};
 
-/// Note [Algorithms by measurement]: the all-reduce algorithm for a CPU group of `group_size` ranks
-/// reducing `bytes`. Pure.
-AllReduceAlgorithm choose_all_reduce(int64_t group_size, int64_t bytes);
+enum class CollectiveAlgorithm {
+  /// Every rank exchanges with every peer at once.
+  kDirect,
+  /// N-1 steps around the ring of the group's ranks.
+  kRing,
+  /// Inside each machine, then a direct exchange between the ranks of one local index.
+  kTwoLevelDirect,
+  /// Inside each machine, then a ring of the machines between the ranks of one local index.
+  kTwoLevelRing,
+};
+
+const char* to_string(CollectiveOperation operation);
+const char* to_string(CollectiveAlgorithm algorithm);
+
+/// How a group's members sit on machines. `regular`: every machine holds `ranks_per_machine` of
+/// them and group rank g is on the (g / ranks_per_machine)-th machine in the order they first appear.
+struct GroupShape {
+  int64_t machines = 1;
+  int64_t ranks_per_machine = 1;
+  bool regular = true;
+  int64_t size() const { return machines * ranks_per_machine; }
+  bool two_level() const { return regular && machines > 1 && ranks_per_machine > 1; }
+};
+
+/// The shape of a group whose member i is on machine `member_machines[i]` (any machine labels).
+GroupShape group_shape(const std::vector<int64_t>& member_machines);
+
+/// Whether `algorithm` can run on a group of `shape`.
+bool algorithm_applies(CollectiveAlgorithm algorithm, const GroupShape& shape);
+
+struct AlgorithmTableRow {
+  CollectiveOperation operation = CollectiveOperation::kAllGather;
+  int64_t machines = 1;
+  int64_t ranks_per_machine = 1;
+  /// The largest buffer (bytes: all-gather's output, reduce-scatter's input, all-reduce's tensor) the
+  /// row is for; -1 for any size above the layout's other rows.
+  int64_t max_bytes = -1;
+  CollectiveAlgorithm algorithm = CollectiveAlgorithm::kDirect;
+  /// Line of the table's text it came from (for FSDP_DEBUG and errors).
+  int64_t line = 0;
+};
+
+struct AlgorithmTable {
+  /// Where it came from: "the built-in table" or the file's path.
+  std::string source;
+  std::vector<AlgorithmTableRow> rows;
+};
+
+/// Parses a table (tab- or space-separated: operation, machines, ranks_per_machine, max_bytes or
+/// "-", algorithm; a header line naming those columns; '#' comments). The text is untrusted: an
+/// error names `source`, the line, the field, what was expected and what was found.
+AlgorithmTable parse_algorithm_table(const std::string& text, const std::string& source);
+
+/// The table's text, as parse_algorithm_table reads it (the sweep writes it).
+std::string format_algorithm_table(const std::vector<AlgorithmTableRow>& rows, const std::string& comment);
+
+struct AlgorithmChoice {
+  CollectiveAlgorithm algorithm = CollectiveAlgorithm::kDirect;
+  /// The row that decided, or null when no row's layout is of the group's kind (then direct, or
+  /// two_level_direct where the group has two levels).
+  const AlgorithmTableRow* row = nullptr;
+};
+
+/// Note [Algorithms by measurement]: the algorithm for `operation` on a group of `shape` moving
+/// `bytes`. Pure.
+AlgorithmChoice choose_algorithm(const AlgorithmTable& table, CollectiveOperation operation, const GroupShape& shape,
+                                 int64_t bytes);
+
+/// What one rank sends for one collective under `algorithm` on a group of `shape` (regular), for a
+/// buffer of `buffer_bytes` (all-gather's output, reduce-scatter's input, all-reduce's tensor; a
+/// multiple of the group size): the theory the byte counters are checked against (Note [Byte counters]).
+struct TrafficPerRank {
+  int64_t messages = 0;
+  int64_t bytes = 0;
+  int64_t off_machine_bytes = 0;
+};
+TrafficPerRank traffic_per_rank(CollectiveOperation operation, CollectiveAlgorithm algorithm, const GroupShape& shape,
+                                int64_t group_rank, int64_t buffer_bytes);
+
+/// The text of the built-in table (src/dist/collective_algorithms.tsv, embedded at build time).
+const std::string& builtin_algorithm_table_text();
+
+/// The table the collectives use: FSDP_COLLECTIVE_TABLE's file when set (read once, a named error
+/// when it cannot be read or parsed), else the built-in one.
+const AlgorithmTable& engine_algorithm_table();
 
 }  // namespace fsdp::detail

@@ -15,29 +15,31 @@ detail::ProcessGroupState& ProcessGroup::state() const {
 
 detail::ProcessGroupState& detail::state_of(const ProcessGroup& group) { return group.state(); }
 
-int64_t ProcessGroup::rank() const { return state().rank; }
-int64_t ProcessGroup::size() const { return state().size; }
-const std::string& ProcessGroup::name() const { return state().name; }
-const std::vector<int64_t>& ProcessGroup::global_ranks() const { return state().global_ranks; }
+int64_t ProcessGroup::rank() const { return state().members->rank; }
+int64_t ProcessGroup::size() const { return state().members->size; }
+const std::string& ProcessGroup::name() const { return state().members->name; }
+const std::vector<int64_t>& ProcessGroup::global_ranks() const { return state().members->global_ranks; }
 
 CollectiveByteCounters ProcessGroup::bytes_sent() const {
-  const auto& group = state();
+  const auto& sent = *state().counters;
   CollectiveByteCounters counters;
-  counters.all_gather = group.bytes_all_gather.load();
-  counters.reduce_scatter = group.bytes_reduce_scatter.load();
-  counters.all_reduce = group.bytes_all_reduce.load();
-  counters.broadcast = group.bytes_broadcast.load();
-  counters.check = group.bytes_check.load();
+  counters.all_gather = sent.all_gather.load();
+  counters.reduce_scatter = sent.reduce_scatter.load();
+  counters.all_reduce = sent.all_reduce.load();
+  counters.broadcast = sent.broadcast.load();
+  counters.check = sent.check.load();
+  counters.inside_machine = sent.inside_machine.load();
+  counters.off_machine = sent.off_machine.load();
+  counters.messages = sent.messages.load();
   return counters;
 }
 
 void ProcessGroup::reset_bytes_sent() const {
-  auto& group = state();
-  group.bytes_all_gather = 0;
-  group.bytes_reduce_scatter = 0;
-  group.bytes_all_reduce = 0;
-  group.bytes_broadcast = 0;
-  group.bytes_check = 0;
+  auto& sent = *state().counters;
+  for (auto* counter : {&sent.all_gather, &sent.reduce_scatter, &sent.all_reduce, &sent.broadcast, &sent.check,
+                        &sent.inside_machine, &sent.off_machine, &sent.messages}) {
+    *counter = 0;
+  }
 }
 
 void ProcessGroup::start_trace() const {

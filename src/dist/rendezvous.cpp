@@ -24,6 +24,8 @@ struct RendezvousState {
   ProcessGroup intra_node;
   ProcessGroup cross_node;
   ProcessGroup control;
+  /// The machine (node rank) of each global rank, from the layout every rank reported.
+  std::vector<int64_t> machine_of_rank;
   /// DistributedContext::consecutive_subgroup's groups by name.
   std::mutex subgroups_mutex;
   std::map<std::string, ProcessGroup> subgroups;
@@ -50,8 +52,8 @@ const ProcessGroup& DistributedContext::consecutive_subgroup(const ProcessGroup&
   std::lock_guard<std::mutex> lock(state_->subgroups_mutex);
   auto found = state_->subgroups.find(name);
   if (found != state_->subgroups.end()) return found->second;
-  auto group =
-      ProcessGroup(detail::create_process_group(size == 1 ? nullptr : state_->store, environment(), name, members));
+  auto group = ProcessGroup(detail::create_process_group(size == 1 ? nullptr : state_->store, environment(), name,
+                                                         members, state_->machine_of_rank));
   return state_->subgroups.emplace(name, std::move(group)).first->second;
 }
 
@@ -78,7 +80,6 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
   std::vector<int64_t> everyone(environment.world_size);
   for (int64_t rank = 0; rank < environment.world_size; ++rank) everyone[rank] = rank;
   state.control = ProcessGroup(detail::create_process_group(state.store, environment, "control", everyone));
-  state.world = ProcessGroup(detail::create_process_group(state.store, environment, "world", everyone));
 
   // Every rank states where it thinks it is; the groups are planned from what all of them said, so
   // a rank with a stale variable is named here instead of deadlocking a hybrid collective later.
@@ -93,17 +94,24 @@ DistributedContext DistributedContext::initialize(const DistributedEnvironment& 
         detail::RankReport{values[rank * 4], values[rank * 4 + 1], values[rank * 4 + 2], values[rank * 4 + 3]};
   }
   auto layout = detail::plan_node_layout(reports);
+  state.machine_of_rank.resize(static_cast<size_t>(environment.world_size));
+  for (const auto& report : reports) state.machine_of_rank[static_cast<size_t>(report.rank)] = report.node_rank;
+  // The control channel was made before anyone knew the layout (it carried the reports); every other
+  // group knows where its members run from the start (Note [Algorithms by measurement]).
+  detail::set_group_machines(detail::state_of(state.control), state.machine_of_rank);
+  state.world =
+      ProcessGroup(detail::create_process_group(state.store, environment, "world", everyone, state.machine_of_rank));
 
   if (layout.num_nodes == 1) {
     state.intra_node = state.world;
   } else {
     state.intra_node = ProcessGroup(detail::create_process_group(
         state.store, environment, "intra_node[" + std::to_string(environment.node_rank) + "]",
-        layout.intra_node_groups[environment.node_rank]));
+        layout.intra_node_groups[environment.node_rank], state.machine_of_rank));
   }
   state.cross_node = ProcessGroup(detail::create_process_group(
       state.store, environment, "cross_node[" + std::to_string(environment.local_rank) + "]",
-      layout.cross_node_groups[environment.local_rank]));
+      layout.cross_node_groups[environment.local_rank], state.machine_of_rank));
   return context;
 }
 

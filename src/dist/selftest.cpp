@@ -9,6 +9,8 @@
 #include <functional>
 #include <sstream>
 
+#include "dist/c10d/backend.h"
+
 namespace fsdp::detail {
 namespace {
 
@@ -213,35 +215,47 @@ void check_async(const ProcessGroup& group, Checker& checker) {
   });
 }
 
-// Byte counters must equal (N-1)/N of the full buffer for all-gather and reduce-scatter.
+// Byte counters must equal (N-1)/N of the full buffer for all-gather and reduce-scatter, 2(N-1)/N for
+// all-reduce, whatever the algorithm; the bytes that leave the machine and the messages must be the
+// algorithm's (Note [Algorithms by measurement]).
 void check_bytes(const ProcessGroup& group, Checker& checker, std::vector<std::string>& lines) {
   const int64_t size = group.size();
   const int64_t shard_numel = 1000;
   const int64_t buffer_bytes = size * shard_numel * static_cast<int64_t>(sizeof(float));
-  auto measure = [&](const char* name, const std::function<void()>& run, auto counter, int64_t numerator) {
+  auto& state = state_of(group);
+  const auto shape = state.members->shape;
+  auto measure = [&](CollectiveOperation operation, const std::function<void()>& run, auto counter, int64_t numerator) {
+    const char* name = to_string(operation);
     checker.run(std::string("bytes ") + name, [&] {
+      const auto algorithm = algorithm_for(state, operation, buffer_bytes);
       group.reset_bytes_sent();
       run();
-      const int64_t measured = counter(group.bytes_sent());
+      const auto sent = group.bytes_sent();
+      const int64_t measured = counter(sent);
       const int64_t theory = numerator * (size - 1) * buffer_bytes / size;
+      const auto expected = traffic_per_rank(operation, algorithm, shape, group.rank(), buffer_bytes);
       std::ostringstream line;
-      line << "  " << name << " on '" << group.name() << "': sent " << measured << " bytes of a " << buffer_bytes
-           << "-byte buffer; theory " << (numerator == 1 ? "" : "2") << "(N-1)/N x buffer = " << theory
-           << (measured == theory ? "  ok" : "  MISMATCH");
-      lines.push_back(line.str());
-      checker.expect(measured == theory, line.str());
+      line << "  " << name << " on '" << group.name() << "' (" << to_string(algorithm) << "): sent " << measured
+           << " bytes of a " << buffer_bytes << "-byte buffer; theory " << (numerator == 1 ? "" : "2")
+           << "(N-1)/N x buffer = " << theory << (measured == theory ? "  ok" : "  MISMATCH") << "; off the machine "
+           << sent.off_machine << " (theory " << expected.off_machine_bytes << "), " << sent.messages
+           << " messages (theory " << expected.messages << ")";
+      const bool layout_ok =
+          !shape.regular || (sent.off_machine == expected.off_machine_bytes && sent.messages == expected.messages);
+      lines.push_back(line.str() + (layout_ok ? "" : "  MISMATCH"));
+      checker.expect(measured == theory && layout_ok, line.str());
     });
   };
   auto full = at::zeros({size * shard_numel}, at::kFloat);
   auto shard = at::zeros({shard_numel}, at::kFloat);
   measure(
-      "all_gather", [&] { all_gather(group, full, shard); },
+      CollectiveOperation::kAllGather, [&] { all_gather(group, full, shard); },
       [](const CollectiveByteCounters& counters) { return counters.all_gather; }, 1);
   measure(
-      "reduce_scatter", [&] { reduce_scatter(group, shard, full); },
+      CollectiveOperation::kReduceScatter, [&] { reduce_scatter(group, shard, full); },
       [](const CollectiveByteCounters& counters) { return counters.reduce_scatter; }, 1);
   measure(
-      "all_reduce", [&] { all_reduce(group, full); },
+      CollectiveOperation::kAllReduce, [&] { all_reduce(group, full); },
       [](const CollectiveByteCounters& counters) { return counters.all_reduce; }, 2);
   group.reset_bytes_sent();
 }

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <sstream>
+#include <thread>
 
 #include "dist/control_channel.h"
 #include "dist/node_layout.h"
@@ -122,6 +123,22 @@ TEST(DistributedContext, RanksThatDisagreeOnTheLayoutAreNamed) {
         auto message = error_message_of([] { DistributedContext::initialize_from_environment(); });
         EXPECT_NE(message.find("disagree on LOCAL_WORLD_SIZE: rank 0 has 2 but rank 1 has 1"), std::string::npos)
             << message;
+      },
+      options);
+}
+
+// A machine whose ranks arrive after the timeout: every rank fails with a rendezvous error that says
+// what to check, none hangs (issue 47: a machine whose ranks arrive late).
+TEST(DistributedContext, AMachineWhoseRanksArriveLateIsANamedErrorOnEveryRank) {
+  auto options = testing::simulated_machines(2);
+  options.collective_timeout = std::chrono::seconds(2);
+  testing::run_processes(
+      4,
+      [](int rank) {
+        if (rank >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // machine 1, late
+        const auto message = error_message_of([] { DistributedContext::initialize_from_environment(); });
+        EXPECT_NE(message.find("rendezvous"), std::string::npos) << message;
+        EXPECT_NE(message.find(rank == 0 ? "for 4 ranks within 2 s" : "within 2 s"), std::string::npos) << message;
       },
       options);
 }

@@ -14,16 +14,17 @@ namespace {
 // current, so NCCL binds this rank's communicator to its own GPU.
 c10d::ProcessGroupNCCL& nccl(ProcessGroupState& group, const at::Tensor& tensor) {
   auto& backend = *group.backend;
+  const auto& members = *group.members;
   if (!backend.nccl) {
     auto options = c10d::ProcessGroupNCCL::Options::create();
-    options->timeout = group.timeout;
+    options->timeout = members.timeout;
     auto store = c10::make_intrusive<c10d::PrefixStore>("nccl", backend.store);
     try {
-      backend.nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(group.rank),
-                                                                 static_cast<int>(group.size), options);
+      backend.nccl = c10::make_intrusive<c10d::ProcessGroupNCCL>(store, static_cast<int>(members.rank),
+                                                                 static_cast<int>(members.size), options);
     } catch (const std::exception& error) {
-      TORCH_CHECK(false, "[rank ", group.global_rank, "] creating the NCCL group of '", group.name, "' (", group.size,
-                  " ranks) for a collective on ", tensor.device(), " failed: ", error.what(),
+      TORCH_CHECK(false, "[rank ", members.global_rank, "] creating the NCCL group of '", members.name, "' (",
+                  members.size, " ranks) for a collective on ", tensor.device(), " failed: ", error.what(),
                   ". Every rank needs a GPU of its own (one per LOCAL_RANK) and a working NCCL; NCCL_DEBUG=INFO "
                   "says more.");
     }
