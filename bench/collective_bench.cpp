@@ -76,32 +76,41 @@ struct Measured {
   double median, fastest, slowest;
 };
 
-// The rows of the engine's table for `shape` from the sweep: per operation, the fastest algorithm at
-// each size, one row per run of sizes with the same winner, each row up to the geometric middle
-// between its largest size and the next one measured.
+// The rows of the engine's table for `shape` from the sweep: per operation and size, the layout's
+// default (direct; two_level_direct across machines) unless another algorithm's median is at least
+// 10 % faster, and a size whose choice differs from both neighbours' (which agree) takes theirs: on a
+// shared machine the rounds vary more than close algorithms differ. One row per run of sizes with the
+// same choice, each up to the geometric middle between its largest size and the next one measured.
 std::vector<fsdp::detail::AlgorithmTableRow> table_rows(const std::vector<Measured>& measured,
                                                         const fsdp::detail::GroupShape& shape,
                                                         const std::vector<int64_t>& sizes) {
+  const auto fallback = shape.two_level() ? CollectiveAlgorithm::kTwoLevelDirect : CollectiveAlgorithm::kDirect;
   std::vector<fsdp::detail::AlgorithmTableRow> rows;
   for (const auto operation :
        {CollectiveOperation::kAllGather, CollectiveOperation::kReduceScatter, CollectiveOperation::kAllReduce}) {
-    std::vector<CollectiveAlgorithm> winners;
+    std::vector<CollectiveAlgorithm> chosen;
     for (const auto bytes : sizes) {
       const Measured* best = nullptr;
+      const Measured* incumbent = nullptr;
       for (const auto& entry : measured) {
-        if (entry.operation == operation && entry.bytes == bytes && (!best || entry.median < best->median)) {
-          best = &entry;
-        }
+        if (entry.operation != operation || entry.bytes != bytes) continue;
+        if (!best || entry.median < best->median) best = &entry;
+        if (entry.algorithm == fallback) incumbent = &entry;
       }
-      winners.push_back(best->algorithm);
+      chosen.push_back(incumbent && best->median > 0.9 * incumbent->median ? fallback : best->algorithm);
+    }
+    auto smoothed = chosen;
+    for (size_t index = 1; index + 1 < chosen.size(); ++index) {
+      if (chosen[index - 1] == chosen[index + 1] && chosen[index] != chosen[index - 1])
+        smoothed[index] = chosen[index - 1];
     }
     for (size_t index = 0; index < sizes.size(); ++index) {
-      if (index + 1 < sizes.size() && winners[index + 1] == winners[index]) continue;
+      if (index + 1 < sizes.size() && smoothed[index + 1] == smoothed[index]) continue;
       fsdp::detail::AlgorithmTableRow row;
       row.operation = operation;
       row.machines = shape.machines;
       row.ranks_per_machine = shape.ranks_per_machine;
-      row.algorithm = winners[index];
+      row.algorithm = smoothed[index];
       row.max_bytes = index + 1 < sizes.size()
                           ? static_cast<int64_t>(std::sqrt(static_cast<double>(sizes[index] * sizes[index + 1])))
                           : -1;

@@ -2,8 +2,9 @@
 # Several machines on this one (bench/hosts.sh: network namespaces, each with a link of
 # BENCH_LINK_RATES to a switch, shaped with tbf; this kernel has no netem, so no added delay), and one
 # job over all of them per configuration: step_bench FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD and hpZ
-# (FULL_SHARD with --reshard-after-forward <ranks per machine>), PyTorch DDP, FSDP2 and FSDP2 with the
-# same int, on the MLP of the scale run. Every machine shares this machine's cores: compare within a
+# (FULL_SHARD with --reshard-after-forward <ranks per machine>), FULL_SHARD with two levels wherever
+# they apply (bench/two_level_table.tsv instead of the built-in table), PyTorch DDP, FSDP2 and FSDP2
+# with the same int, on the MLP of the scale run. Every machine shares this machine's cores: compare within a
 # layout, not across. BENCH_ROUNDS rounds (default 1); the configurations alternate within a round.
 # Then the collective check's cost (Note [Collective check]): FULL_SHARD with FSDP_CHECK_COLLECTIVES
 # on and off, in BENCH_CHECK_ROUNDS (default 5) paired rounds whose order alternates, at the layouts
@@ -49,6 +50,10 @@ for rate in "${rates[@]}"; do
       done
       tagged "$layout" "$rate" "" "$bin/step_bench" --strategy FULL_SHARD --reshard-after-forward "$per_machine" \
         "${sizes[@]}"
+      # FULL_SHARD with two levels wherever they apply, whatever the built-in table measured fastest here.
+      export FSDP_COLLECTIVE_TABLE="$root/bench/two_level_table.tsv"
+      tagged "$layout" "$rate" ", \"table\": \"two-level\"" "$bin/step_bench" --strategy FULL_SHARD "${sizes[@]}"
+      unset FSDP_COLLECTIVE_TABLE
       for peer in ddp fsdp2; do
         tagged "$layout" "$rate" "" "$python" "$root/bench/torch_peer.py" --peer "$peer" "${sizes[@]}"
       done

@@ -23,6 +23,8 @@ def name_of(row):
     group = row.get("reshard_after_forward", 0)
     if row["strategy"] in ("DDP", "FSDP2"):
         return "PyTorch " + row["strategy"] + (f", reshard_after_forward={group}" if group else "")
+    if row.get("table") == "two-level":
+        return row["strategy"] + ", two levels everywhere"
     return row["strategy"] + (f", reshard_after_forward={group} (hpZ)" if group else "")
 
 
@@ -84,7 +86,7 @@ def main():
                 lines.append(f"| {layout.replace('x', ' x ')} | {name} | {step:.3f} | {ratio(step, ddp)} "
                              f"| {ratio(step, fsdp2)} | {mb(sent)} | {mb(theory)} "
                              f"| {ratio(sent, theory) if theory else '-'} | {ratio(sent, fsdp2_sent)} |")
-                if "hpZ" not in name and "reshard" not in name:
+                if "hpZ" not in name and "reshard" not in name and "everywhere" not in name:
                     series.setdefault(name.replace("PyTorch ", ""), []).append((layout, step))
         lines.append("")
         plot = f"multi_hosts_{rate}.svg"

@@ -446,7 +446,10 @@ int main(int argc, char** argv) {
       if (step == 0) first_step_done = std::chrono::steady_clock::now();
     }
     const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
-    const int64_t off_machine_per_step = (off_machine_sent() - off_machine_before) / steps;
+    // Per rank, averaged over the ranks of this machine: a ring's ranks send unequal shares off it.
+    auto off_machine_total = torch::tensor({(off_machine_sent() - off_machine_before) / steps}, torch::kLong);
+    if (!single) fsdp::all_reduce(context.control(), off_machine_total);  // every rank takes part, once
+    const int64_t off_machine_per_step = off_machine_total.item<int64_t>() / world;
     const int64_t loopback_after = context.rank() == 0 ? loopback_bytes() : -1;
     const int64_t link_after = context.rank() == 0 && !link.empty() ? interface_bytes(link) : -1;
     const int64_t link_per_step = link_before >= 0 && link_after >= 0 ? (link_after - link_before) / steps : -1;

@@ -120,9 +120,10 @@ struct MemoryEstimate {
   int64_t unsharded_peak_bytes_with_prefetch = 0;     ///< the same with one unit prefetched
   int64_t unsharded_gradient_bytes = 0;               ///< one unit's unsharded gradients and reduce-scatter input
   int64_t bytes_sent_per_step = 0;                    ///< what the rank sends per step
-  int64_t bytes_sent_off_machine_per_step = 0;        ///< of which to other machines (direct exchange)
-  int64_t sharded_checkpoint_bytes = 0;               ///< SHARDED_STATE_DICT: model and optimizer, this rank's file(s)
-  int64_t full_checkpoint_bytes = 0;                  ///< FULL_STATE_DICT: model and optimizer, written by rank 0
+  int64_t bytes_sent_off_machine_per_step =
+      0;                                 ///< of which to other machines (by the algorithms the engine's table takes)
+  int64_t sharded_checkpoint_bytes = 0;  ///< SHARDED_STATE_DICT: model and optimizer, this rank's file(s)
+  int64_t full_checkpoint_bytes = 0;     ///< FULL_STATE_DICT: model and optimizer, written by rank 0
 
   int64_t model_state_bytes() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
   /// Model state plus the unsharded parameters and gradients of the step (prefetch as chosen).

@@ -18,14 +18,24 @@
 namespace fsdp {
 namespace {
 
-// FSDP_* variables read by the rest of fsdp.cpp rather than the plugin: FSDP_COLLECTIVE_TIMEOUT
-// (the collective timeout) and the build and test scripts' settings (scripts/setup.sh); FSDP_TEST_*
+// FSDP_* variables read by the rest of fsdp.cpp rather than the plugin: the collectives' (timeout,
+// check, algorithm table, FSDP_DEBUG's choices), the device, and the build and test scripts' settings
+// (scripts/setup.sh); FSDP_TEST_*
 // names belong to the test suite too. Any other FSDP_* variable is a warning when a plugin is
 // resolved, so these are known here, not exported.
 const std::vector<std::string>& tool_environment_variables() {
-  static const std::vector<std::string> variables = {
-      "FSDP_COLLECTIVE_TIMEOUT", "FSDP_BUILD_DIR",   "FSDP_BUILD_JOBS",   "FSDP_PYTHON",
-      "FSDP_TEST_JOBS",          "FSDP_TEST_PYTHON", "FSDP_TORCH_PREFIX", "FSDP_VENV"};
+  static const std::vector<std::string> variables = {"FSDP_COLLECTIVE_TIMEOUT",
+                                                     "FSDP_CHECK_COLLECTIVES",
+                                                     "FSDP_COLLECTIVE_TABLE",
+                                                     "FSDP_DEBUG",
+                                                     "FSDP_DEVICE",
+                                                     "FSDP_BUILD_DIR",
+                                                     "FSDP_BUILD_JOBS",
+                                                     "FSDP_PYTHON",
+                                                     "FSDP_TEST_JOBS",
+                                                     "FSDP_TEST_PYTHON",
+                                                     "FSDP_TORCH_PREFIX",
+                                                     "FSDP_VENV"};
   return variables;
 }
 

@@ -241,8 +241,16 @@ AlgorithmChoice choose_algorithm(const AlgorithmTable& table, CollectiveOperatio
   return choice;
 }
 
+int64_t two_level_pieces(int64_t chunk_elements, int64_t element_bytes) {
+  constexpr int64_t kSmallestPiece = int64_t{256} << 10;
+  for (const int64_t pieces : {4, 2}) {
+    if (chunk_elements % pieces == 0 && chunk_elements / pieces * element_bytes >= kSmallestPiece) return pieces;
+  }
+  return 1;
+}
+
 TrafficPerRank traffic_per_rank(CollectiveOperation operation, CollectiveAlgorithm algorithm, const GroupShape& shape,
-                                int64_t group_rank, int64_t buffer_bytes) {
+                                int64_t group_rank, int64_t buffer_bytes, int64_t element_bytes) {
   const int64_t size = shape.size();
   const int64_t per_machine = shape.ranks_per_machine;
   const int64_t chunk = buffer_bytes / size;
@@ -262,10 +270,16 @@ TrafficPerRank traffic_per_rank(CollectiveOperation operation, CollectiveAlgorit
       break;
     }
     case CollectiveAlgorithm::kTwoLevelDirect:
-    case CollectiveAlgorithm::kTwoLevelRing:
-      traffic.messages = halves * ((shape.machines - 1) + (per_machine - 1));
+    case CollectiveAlgorithm::kTwoLevelRing: {
+      // An all-gather moves bytes; the reductions cut their chunk in elements.
+      const bool gather = operation == CollectiveOperation::kAllGather;
+      const int64_t pieces = algorithm == CollectiveAlgorithm::kTwoLevelRing
+                                 ? 1
+                                 : two_level_pieces(gather ? chunk : chunk / element_bytes, gather ? 1 : element_bytes);
+      traffic.messages = halves * pieces * ((shape.machines - 1) + (per_machine - 1));
       traffic.off_machine_bytes = halves * (shape.machines - 1) * chunk;
       break;
+    }
   }
   return traffic;
 }

@@ -18,10 +18,19 @@
 //   (M-1) + (L-1) messages per rank; each machine sends the minimum off it, (M-1)/M of the buffer
 //   for all-gather and reduce-scatter and 2(M-1)/M for all-reduce. Needs M > 1 and L > 1 and a
 //   group whose rank g is on its g / L-th machine (node-major, as the launchers number ranks).
+//   two_level_direct cuts a rank's chunk into P pieces (two_level_pieces: 4 or 2 of at least 256 KB,
+//   else 1), and each piece goes on to the next level as soon as it is ready, so the network carries
+//   one piece while the machine's own links carry the one before: P((M-1) + (L-1)) messages. Without
+//   it the two levels ran one after the other, and on 2 x 4 shaped machines a 64 MB all-gather took
+//   535 ms against the ring's 525 (pieces: 350 ms).
 // `collective_bench --sweep` runs every algorithm that applies to the group it is started on, the
-// engine's own calls, at 64 KB to 64 MB, and writes the fastest per (operation, layout, bytes) as
-// this table's rows (bench/collective_table.sh runs it on one machine at N = 2 to 16 and on 2 and 4
-// shaped machines, and writes src/dist/collective_algorithms.tsv, which the library embeds). A
+// engine's own calls, at 64 KB to 64 MB, in rounds that alternate the algorithms, and writes the
+// choice per (operation, layout, bytes) as this table's rows: the layout's default (direct;
+// two_level_direct across machines) unless another algorithm's median is at least 10 % faster, a
+// size whose choice differs from both neighbours' taking theirs (on a shared 2-core machine the rounds
+// vary more than close algorithms differ). bench/collective_table.sh runs it on one machine at N = 2
+// to 16 and on 2 and 4 shaped machines, and writes src/dist/collective_algorithms.tsv, which the
+// library embeds. A
 // collective takes the rows of its operation whose layout is of its kind (one machine; one rank per
 // machine; several of each) and nearest to its own (by log2 of machines, then of ranks per
 // machine), and among those the first row whose `up to bytes` holds its buffer. A user measures
@@ -112,16 +121,22 @@ struct AlgorithmChoice {
 AlgorithmChoice choose_algorithm(const AlgorithmTable& table, CollectiveOperation operation, const GroupShape& shape,
                                  int64_t bytes);
 
+/// Note [Algorithms by measurement]: into how many pieces two_level_direct cuts each rank's chunk of
+/// `chunk_elements` elements of `element_bytes`, so that the second level of one piece overlaps the
+/// first level of the next: 4 or 2 pieces that divide the chunk and are at least 256 KB each, else 1.
+int64_t two_level_pieces(int64_t chunk_elements, int64_t element_bytes);
+
 /// What one rank sends for one collective under `algorithm` on a group of `shape` (regular), for a
 /// buffer of `buffer_bytes` (all-gather's output, reduce-scatter's input, all-reduce's tensor; a
-/// multiple of the group size): the theory the byte counters are checked against (Note [Byte counters]).
+/// multiple of the group size) of elements of `element_bytes` (an all-gather moves bytes: 1): the
+/// theory the byte counters are checked against (Note [Byte counters]).
 struct TrafficPerRank {
   int64_t messages = 0;
   int64_t bytes = 0;
   int64_t off_machine_bytes = 0;
 };
 TrafficPerRank traffic_per_rank(CollectiveOperation operation, CollectiveAlgorithm algorithm, const GroupShape& shape,
-                                int64_t group_rank, int64_t buffer_bytes);
+                                int64_t group_rank, int64_t buffer_bytes, int64_t element_bytes);
 
 /// The text of the built-in table (src/dist/collective_algorithms.tsv, embedded at build time).
 const std::string& builtin_algorithm_table_text();

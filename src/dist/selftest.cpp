@@ -233,7 +233,7 @@ void check_bytes(const ProcessGroup& group, Checker& checker, std::vector<std::s
       const auto sent = group.bytes_sent();
       const int64_t measured = counter(sent);
       const int64_t theory = numerator * (size - 1) * buffer_bytes / size;
-      const auto expected = traffic_per_rank(operation, algorithm, shape, group.rank(), buffer_bytes);
+      const auto expected = traffic_per_rank(operation, algorithm, shape, group.rank(), buffer_bytes, 4);
       std::ostringstream line;
       line << "  " << name << " on '" << group.name() << "' (" << to_string(algorithm) << "): sent " << measured
            << " bytes of a " << buffer_bytes << "-byte buffer; theory " << (numerator == 1 ? "" : "2")

@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <unordered_set>
 
+#include "dist/collective_algorithm.h"
+
 namespace fsdp {
 
 const char* to_string(OptimizerKind kind) {
@@ -89,6 +91,13 @@ int64_t MemoryEstimate::peak_bytes(bool prefetch) const {
          unsharded_gradient_bytes;
 }
 
+namespace {
+
+// An all-reduce pads its buffer to a multiple of the group (Note [Byte counters]).
+int64_t padded_all_reduce(int64_t elements, int64_t group) { return (elements + group - 1) / group * group; }
+
+}  // namespace
+
 MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const MemoryEstimateOptions& options) {
   options.validate();
   TORCH_CHECK(!units.empty(), "estimate-memory: the model has no units (unit_shapes gives at least the root)");
@@ -113,9 +122,25 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
   const int64_t reduce = static_cast<int64_t>(c10::elementSize(options.mixed_precision.reduce_dtype.value_or(
       options.mixed_precision.param_dtype.value_or(options.storage_dtype))));
   const int64_t states = optimizer_states_per_parameter(options.optimizer);
-  // Ranks on other machines among the shard group's peers (direct exchange: a rank sends its shard
-  // to each peer), and among the world's (NO_SHARD's all-reduce).
-  const double off_machine_world = static_cast<double>(world - machine) / static_cast<double>(world);
+  // What a rank sends off its machine for one collective over a group of `size` consecutive ranks
+  // (machines of `machine` ranks) moving `buffer` bytes: the algorithm the engine takes for it from
+  // its table (Note [Algorithms by measurement]), averaged over the group's ranks (a ring's differ).
+  const auto off_machine = [&](detail::CollectiveOperation operation, int64_t size, double buffer,
+                               int64_t element_bytes) {
+    if (size <= 1) return 0.0;
+    const int64_t per_machine = std::min(machine, size);
+    const detail::GroupShape shape{size / per_machine, per_machine, size % per_machine == 0};
+    const auto algorithm =
+        detail::choose_algorithm(detail::engine_algorithm_table(), operation, shape, static_cast<int64_t>(buffer))
+            .algorithm;
+    double total = 0;
+    for (int64_t rank = 0; rank < size; ++rank) {
+      total += static_cast<double>(
+          detail::traffic_per_rank(operation, algorithm, shape, rank, static_cast<int64_t>(buffer), element_bytes)
+              .off_machine_bytes);
+    }
+    return total / static_cast<double>(size);
+  };
 
   std::vector<int64_t> resharding_units;  // unsharded bytes (compute dtype, padded) of the units that reshard
   int64_t kept_bytes = 0;                 // ... of the units that stay unsharded after forward
@@ -143,24 +168,31 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
       const double bytes = 2.0 * static_cast<double>(world - 1) / static_cast<double>(world) *
                            static_cast<double>(unit_elements * reduce);
       sent += bytes;
-      sent_off_machine += 2.0 * off_machine_world * static_cast<double>(unit_elements * reduce);
+      sent_off_machine += off_machine(detail::CollectiveOperation::kAllReduce, world,
+                                      static_cast<double>(padded_all_reduce(unit_elements, world) * reduce), reduce);
       continue;
     }
     const double shard_compute = static_cast<double>(shard_elements * compute);
     const double peers = static_cast<double>(shards - 1);
-    const double peers_off_machine = hybrid ? 0.0 : static_cast<double>(world - machine);
-    // Forward's all-gather and the reduce-scatter, over the shard group.
+    // Forward's all-gather and the reduce-scatter, over the shard group (inside a machine under
+    // HYBRID_SHARD, whose group is the machine).
     sent += peers * shard_compute + peers * static_cast<double>(shard_elements * reduce);
-    sent_off_machine += peers_off_machine * (shard_compute + static_cast<double>(shard_elements * reduce));
+    if (!hybrid) {
+      sent_off_machine += off_machine(detail::CollectiveOperation::kAllGather, shards, shard_compute * shards, 1) +
+                          off_machine(detail::CollectiveOperation::kReduceScatter, shards,
+                                      static_cast<double>(shard_elements * reduce * shards), reduce);
+    }
     // Backward's all-gather: every unit that resharded after forward; over k consecutive ranks,
     // each sending its row of shards / k shards to k - 1 of them.
     if (!kept && post_forward_group > 1) {
       const double k = static_cast<double>(post_forward_group);
       const double row = shard_compute * static_cast<double>(shards) / k;
       sent += (k - 1) * row;
-      if (!hybrid && post_forward_group > machine) sent_off_machine += (k - static_cast<double>(machine)) * row;
+      if (!hybrid) {
+        sent_off_machine += off_machine(detail::CollectiveOperation::kAllGather, post_forward_group, row * k, 1);
+      }
     }
-    // HYBRID_SHARD: the reduced shard is all-reduced across the replicas (other machines).
+    // HYBRID_SHARD: the reduced shard is all-reduced across the replicas (one rank per machine).
     if (replicas > 1) {
       const double bytes = 2.0 * static_cast<double>(replicas - 1) / static_cast<double>(replicas) *
                            static_cast<double>(shard_elements * reduce);

@@ -391,6 +391,10 @@ std::vector<ResolveCase> resolve_cases() {
   add("UnknownFsdpVariableIsAWarningWithTheClosestName", none,
       {{"FSDP_SHARDING_STRATEGIE", "NO_SHARD"},
        {"FSDP_COLLECTIVE_TIMEOUT", "30"},
+       {"FSDP_CHECK_COLLECTIVES", "0"},
+       {"FSDP_COLLECTIVE_TABLE", "/tmp/table.tsv"},
+       {"FSDP_DEBUG", "1"},
+       {"FSDP_DEVICE", "cpu"},
        {"FSDPX", "1"},
        {"FSDP_TEST_HARNESS_RANK", "1"}},
       [](const Plugin& p) {

@@ -110,6 +110,45 @@ TEST(SchedulesOnTwoMachines, TwoLevelSendsOneChunkPerHalfOffTheMachineAndFewerMe
       testing::simulated_machines(3));
 }
 
+// two_level_direct cuts a chunk of 1 MiB into 4 pieces of 256 KiB (two_level_pieces), each forwarded
+// to the second level on its own: every element lands where it belongs, with 4 x ((M-1) + (L-1))
+// messages per half.
+TEST(SchedulesOnTwoMachines, TwoLevelPiecesPutEveryElementInItsPlace) {
+  testing::run_on_ranks(
+      4,
+      [](const DistributedContext& context) {
+        const auto& world = context.world();
+        force_everywhere(world, CollectiveAlgorithm::kTwoLevelDirect);
+        const int64_t chunk = int64_t{1} << 18;  // floats: 1 MiB
+        ASSERT_EQ(detail::two_level_pieces(chunk, 4), 4);
+        const double rank = static_cast<double>(context.rank());
+        auto pattern = at::arange(4 * chunk, at::kDouble).remainder(997);
+        // All-gather: shard r is r * 1000 + the pattern of its positions.
+        auto shard = (pattern.narrow(0, context.rank() * chunk, chunk) + rank * 1000).to(at::kFloat);
+        auto gathered = at::empty({4 * chunk});
+        world.reset_bytes_sent();
+        all_gather(world, gathered, shard);
+        EXPECT_EQ(world.bytes_sent().messages, 4 * 2);
+        auto expected = pattern + at::arange(4, at::kDouble).repeat_interleave(chunk) * 1000;
+        EXPECT_TRUE(gathered.to(at::kDouble).equal(expected));
+        // Reduce-scatter and all-reduce of rank * 1000 + the pattern: 6000 + 4 x the pattern.
+        auto input = (pattern + rank * 1000).to(at::kFloat);
+        auto reduced = at::empty({chunk});
+        world.reset_bytes_sent();
+        reduce_scatter(world, reduced, input);
+        EXPECT_EQ(world.bytes_sent().messages, 4 * 2);
+        auto summed = pattern * 4 + 6000;
+        EXPECT_TRUE(reduced.to(at::kDouble).equal(summed.narrow(0, context.rank() * chunk, chunk)));
+        world.reset_bytes_sent();
+        all_reduce(world, input);
+        EXPECT_EQ(world.bytes_sent().messages, 2 * 4 * 2);
+        EXPECT_EQ(world.bytes_sent().off_machine, 2 * chunk * 4);
+        EXPECT_TRUE(input.to(at::kDouble).equal(summed));
+        force_everywhere(world, std::nullopt);
+      },
+      testing::simulated_machines(2));
+}
+
 // Note [Collective check]: the check sends nothing of its own. The same collectives post the same
 // messages and bytes with FSDP_CHECK_COLLECTIVES on and off; rank 0 writes what it counted.
 TEST(SchedulesOnTwoMachines, TheCheckAddsNoMessageAndNoByte) {

@@ -350,12 +350,15 @@ class StallWatch {
   }
 
   void add(const std::shared_ptr<StallRegistration::Entry>& entry) {
-    std::lock_guard<std::mutex> lock(mutex_);
-    entries_.push_back(entry);
-    if (!started_) {
-      started_ = true;
-      std::thread([this] { run(); }).detach();
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      entries_.push_back(entry);
+      if (!started_) {
+        started_ = true;
+        std::thread([this] { run(); }).detach();
+      }
     }
+    changed_.notify_one();
   }
 
   void remove(const std::shared_ptr<StallRegistration::Entry>& entry) {
@@ -366,10 +369,12 @@ class StallWatch {
  private:
   void run() {
     for (;;) {
-      std::this_thread::sleep_for(std::chrono::milliseconds(20));
       std::vector<std::shared_ptr<StallRegistration::Entry>> due;
       {
-        std::lock_guard<std::mutex> lock(mutex_);
+        // Asleep while nothing is waited for; a few looks a second while something is.
+        std::unique_lock<std::mutex> lock(mutex_);
+        changed_.wait(lock, [this] { return !entries_.empty(); });
+        changed_.wait_for(lock, std::chrono::milliseconds(20));
         const auto now = std::chrono::steady_clock::now();
         for (const auto& entry : entries_) {
           if (entry->due <= now) due.push_back(entry);
@@ -473,6 +478,7 @@ class StallWatch {
   }
 
   std::mutex mutex_;
+  std::condition_variable changed_;
   std::vector<std::shared_ptr<StallRegistration::Entry>> entries_;
   bool started_ = false;
 };

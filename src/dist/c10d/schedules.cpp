@@ -319,39 +319,71 @@ Schedule schedule_all_gather(ProcessGroupState& group, const IssuedCollective& i
   }
   // Two levels: across machines first (each rank's shard to the ranks of its local index), then inside
   // the machine (each rank's bundle of M shards to the others), so only (M-1)/M of the buffer leaves a
-  // machine. bundles[l][m] is the shard of the rank at local index l on machine m.
+  // machine. two_level_direct cuts each shard into `pieces` and forwards each piece inside the machine
+  // as soon as it has arrived from every machine, so the two levels overlap. bundles[l][p][m] is
+  // piece p of the shard of the rank at local index l on machine m.
   const TwoLevel place(members);
-  auto bundles = staging({place.per_machine, place.machines, shard}, at::kByte);
-  auto own_bundle = bundles.tensor[place.local];
-  own_bundle[place.machine].copy_(input_bytes);
+  const bool ring = algorithm == CollectiveAlgorithm::kTwoLevelRing;
+  const int64_t pieces = ring ? 1 : two_level_pieces(shard, 1);
+  const int64_t piece = shard / pieces;
+  auto bundles = staging({place.per_machine, pieces, place.machines, piece}, at::kByte);
+  auto own = bundles.tensor[place.local];
+  own.select(1, place.machine).copy_(input_bytes.view({pieces, piece}));
   Exchange across_receives;
-  if (algorithm == CollectiveAlgorithm::kTwoLevelDirect) {
-    const auto peers = place.across();
-    auto [receives, sends] =
-        split_receives(exchange_with(
-                           transport, issued.data_tag, Traffic::kAllGather, peers, [&](int64_t) { return input_bytes; },
-                           [&](int64_t peer) { return own_bundle[place.machine_of(peer)]; }),
-                       peers.size());
-    across_receives = std::move(receives);
-    schedule.posted = std::move(sends);
+  if (!ring) {
+    // Every piece's first level at once, piece by piece: a pair's messages on one slot arrive in order.
+    const auto across = place.across();
+    for (int64_t index = 0; index < pieces; ++index) {
+      for (const auto peer : across) {
+        across_receives.add(post_receive(transport, own[index][place.machine_of(peer)], peer, issued.data_tag), peer);
+      }
+    }
+    for (int64_t index = 0; index < pieces; ++index) {
+      for (const auto peer : across) {
+        schedule.posted.add(post_send(transport, input_bytes.narrow(0, index * piece, piece), peer, issued.data_tag,
+                                      Traffic::kAllGather),
+                            peer);
+      }
+    }
+    for (int64_t index = 0; index < pieces; ++index) {
+      for (const auto peer : place.inside()) {
+        schedule.posted.add(
+            post_receive(transport, as_bytes(bundles.tensor[place.local_of(peer)][index]), peer, issued.data_tag),
+            peer);
+      }
+    }
   }
   schedule.deferred = defer(
       group, issued,
-      [transport, issued, algorithm, place, bundles = bundles.tensor,
+      [transport, issued, ring, place, pieces, bundles = bundles.tensor,
        across_receives = std::move(across_receives)]() mutable {
         auto own = bundles[place.local];
-        if (algorithm == CollectiveAlgorithm::kTwoLevelRing) {
-          auto rest = ring_all_gather(transport, issued, place.across_ring(), place.machine, own, Traffic::kAllGather);
+        if (ring) {
+          auto rest =
+              ring_all_gather(transport, issued, place.across_ring(), place.machine, own[0], Traffic::kAllGather);
           wait_exchange(transport, issued, rest);
-        } else {
-          wait_exchange(transport, issued, across_receives);
+          return exchange_with(
+              transport, issued.data_tag, Traffic::kAllGather, place.inside(),
+              [&](int64_t) { return as_bytes(own[0]); },
+              [&](int64_t peer) { return as_bytes(bundles[place.local_of(peer)][0]); });
         }
-        return exchange_with(
-            transport, issued.data_tag, Traffic::kAllGather, place.inside(), [&](int64_t) { return as_bytes(own); },
-            [&](int64_t peer) { return as_bytes(bundles[place.local_of(peer)]); });
+        Exchange sends;
+        const auto count = static_cast<size_t>(place.machines - 1);
+        for (int64_t index = 0; index < pieces; ++index) {
+          Exchange arrived;
+          for (size_t work = 0; work < count; ++work) {
+            const auto position = static_cast<size_t>(index) * count + work;
+            arrived.add(across_receives.works[position], across_receives.peers[position]);
+          }
+          wait_exchange(transport, issued, arrived);
+          for (const auto peer : place.inside()) {
+            sends.add(post_send(transport, as_bytes(own[index]), peer, issued.data_tag, Traffic::kAllGather), peer);
+          }
+        }
+        return sends;
       });
-  schedule.finish = [output_bytes, bundles, place] {
-    output_bytes.view({place.machines, place.per_machine, -1}).copy_(bundles.tensor.transpose(0, 1));
+  schedule.finish = [output_bytes, bundles, place, pieces] {
+    output_bytes.view({place.machines, place.per_machine, pieces, -1}).copy_(bundles.tensor.permute({2, 0, 1, 3}));
     return_pooled_bytes(bundles.bytes);
   };
   return schedule;
@@ -392,7 +424,7 @@ Schedule schedule_reduce_scatter(ProcessGroupState& group, const IssuedCollectiv
       ring_reduce_scatter(transport, issued, everyone(size), rank, rows, partials, op, Traffic::kReduceScatter);
       return Exchange();
     });
-    schedule.finish = [destination, partials, op, post_divide, input, size] {
+    schedule.finish = [destination, partials, post_divide, size] {
       destination.copy_(partials.tensor[size - 2]);
       if (post_divide != 1.0) destination.div_(post_divide);
       return_pooled_bytes(partials.bytes);
@@ -402,45 +434,72 @@ Schedule schedule_reduce_scatter(ProcessGroupState& group, const IssuedCollectiv
   // Two levels: inside the machine first (local rank l receives every machine's chunks of the ranks of
   // local index l, reduced over the machine), then across machines (each chunk to its owner), so only
   // (M-1)/M of the buffer leaves a machine. The partial sum of a machine travels in the buffer's dtype.
+  // two_level_direct cuts each chunk into `pieces` and sends a piece across machines as soon as its
+  // machine sum is ready, so the two levels overlap.
   const TwoLevel place(members);
   const int64_t machines = place.machines, per_machine = place.per_machine;
-  auto outgoing = staging({per_machine, machines, chunk}, dtype);  // [l][m]: the chunk of rank (m, l)
-  outgoing.tensor.copy_(input.view({machines, per_machine, chunk}).transpose(0, 1));
-  auto inside = staging({per_machine, machines, chunk}, dtype);  // [l]: what local rank l sent this rank
+  const bool ring = algorithm == CollectiveAlgorithm::kTwoLevelRing;
+  const int64_t pieces = ring ? 1 : two_level_pieces(chunk, input.element_size());
+  const int64_t piece = chunk / pieces;
+  // [l][p][m]: piece p of the chunk of rank (m, l), this rank's contribution.
+  auto outgoing = staging({per_machine, pieces, machines, piece}, dtype);
+  outgoing.tensor.copy_(input.view({machines, per_machine, pieces, piece}).permute({1, 2, 0, 3}));
+  auto inside = staging({per_machine, pieces, machines, piece}, dtype);  // [l]: what local rank l sent
   inside.tensor[place.local].copy_(outgoing.tensor[place.local]);
-  auto machine_sum = staging({machines, chunk}, dtype);  // [m]: this machine's sum of rank (m, l)'s chunk
-  auto across = staging({machines, chunk}, dtype);       // [m]: machine m's sum of this rank's chunk
-  const auto peers = place.inside();
-  auto [inside_receives, inside_sends] =
-      split_receives(exchange_with(
-                         transport, issued.data_tag, Traffic::kReduceScatter, peers,
-                         [&](int64_t peer) { return as_bytes(outgoing.tensor[place.local_of(peer)]); },
-                         [&](int64_t peer) { return as_bytes(inside.tensor[place.local_of(peer)]); }),
-                     peers.size());
-  schedule.posted = std::move(inside_sends);
+  auto machine_sum = staging({pieces, machines, piece}, dtype);  // [p][m]: this machine's sum for rank (m, l)
+  auto across = staging({pieces, machines, piece}, dtype);       // [p][m]: machine m's sum for this rank
+  Exchange inside_receives;
+  for (int64_t index = 0; index < pieces; ++index) {
+    for (const auto peer : place.inside()) {
+      inside_receives.add(
+          post_receive(transport, as_bytes(inside.tensor[place.local_of(peer)][index]), peer, issued.data_tag), peer);
+    }
+  }
+  for (int64_t index = 0; index < pieces; ++index) {
+    for (const auto peer : place.inside()) {
+      schedule.posted.add(post_send(transport, as_bytes(outgoing.tensor[place.local_of(peer)][index]), peer,
+                                    issued.data_tag, Traffic::kReduceScatter),
+                          peer);
+    }
+  }
   schedule.deferred =
       defer(group, issued,
-            [transport, issued, algorithm, place, op, inside = inside.tensor, machine_sum = machine_sum.tensor,
+            [transport, issued, ring, place, op, pieces, inside = inside.tensor, machine_sum = machine_sum.tensor,
              across = across.tensor, inside_receives = std::move(inside_receives)]() mutable {
-              wait_exchange(transport, issued, inside_receives);
-              reduce_rows_into(machine_sum.view({-1}), inside.view({place.per_machine, -1}), op);
-              if (algorithm == CollectiveAlgorithm::kTwoLevelRing) {
-                // The ring's partials land in `across`' first M-1 rows; this rank's chunk in row M-2.
-                ring_reduce_scatter(transport, issued, place.across_ring(), place.machine, machine_sum,
-                                    across.narrow(0, 0, place.machines - 1), op, Traffic::kReduceScatter);
-                return Exchange();
+              Exchange sends;
+              const auto count = static_cast<size_t>(place.per_machine - 1);
+              for (int64_t index = 0; index < pieces; ++index) {
+                Exchange arrived;
+                for (size_t work = 0; work < count; ++work) {
+                  const auto position = static_cast<size_t>(index) * count + work;
+                  arrived.add(inside_receives.works[position], inside_receives.peers[position]);
+                }
+                wait_exchange(transport, issued, arrived);
+                auto sum = machine_sum[index];
+                reduce_rows_into(sum.view({-1}), inside.select(1, index).reshape({place.per_machine, -1}), op);
+                if (ring) {
+                  // The ring's partials land in `across`' first M-1 rows; this rank's chunk in row M-2.
+                  ring_reduce_scatter(transport, issued, place.across_ring(), place.machine, sum,
+                                      across[index].narrow(0, 0, place.machines - 1), op, Traffic::kReduceScatter);
+                  continue;
+                }
+                across[index][place.machine].copy_(sum[place.machine]);
+                sends.append(exchange_with(
+                    transport, issued.data_tag, Traffic::kReduceScatter, place.across(),
+                    [&](int64_t peer) { return as_bytes(sum[place.machine_of(peer)]); },
+                    [&](int64_t peer) { return as_bytes(across[index][place.machine_of(peer)]); }));
               }
-              across[place.machine].copy_(machine_sum[place.machine]);
-              return exchange_with(
-                  transport, issued.data_tag, Traffic::kReduceScatter, place.across(),
-                  [&](int64_t peer) { return as_bytes(machine_sum[place.machine_of(peer)]); },
-                  [&](int64_t peer) { return as_bytes(across[place.machine_of(peer)]); });
+              return sends;
             });
-  schedule.finish = [destination, outgoing, inside, machine_sum, across, algorithm, machines, op, post_divide] {
-    if (algorithm == CollectiveAlgorithm::kTwoLevelRing) {
-      destination.copy_(across.tensor[machines - 2]);
-    } else {
-      reduce_rows_into(destination, across.tensor, op);
+  schedule.finish = [destination, outgoing, inside, machine_sum, across, ring, machines, pieces, piece, op,
+                     post_divide] {
+    for (int64_t index = 0; index < pieces; ++index) {
+      auto part = destination.narrow(0, index * piece, piece);
+      if (ring) {
+        part.copy_(across.tensor[index][machines - 2]);
+      } else {
+        reduce_rows_into(part, across.tensor[index], op);
+      }
     }
     if (post_divide != 1.0) destination.div_(post_divide);
     for (const auto* block : {&outgoing, &inside, &machine_sum, &across}) return_pooled_bytes(block->bytes);
@@ -487,52 +546,108 @@ Schedule schedule_all_reduce(ProcessGroupState& group, const IssuedCollective& i
               [](int64_t peer) { return peer; }, rank, rows, received, op, Traffic::kAllReduce);
         });
   } else {
-    // Two levels: a two-level reduce-scatter of the padded buffer, an all-reduce of the machine's
-    // partial sums across machines, and an all-gather inside the machine: 2(M-1)/M of the buffer
-    // leaves each machine.
+    // Two levels: a two-level reduce-scatter of the padded buffer, an all-reduce of the machines'
+    // sums across machines, and an all-gather inside the machine: 2(M-1)/M of the buffer leaves each
+    // machine. two_level_direct cuts each chunk into `pieces`, and each piece goes on to its next
+    // stage as soon as it is ready, so the stages of different pieces overlap.
     const TwoLevel place(members);
     const int64_t machines = place.machines, per_machine = place.per_machine;
-    auto outgoing = staging({per_machine, machines, chunk}, dtype);  // [l][m]: the chunk of rank (m, l)
-    outgoing.tensor.copy_(rows.view({machines, per_machine, chunk}).transpose(0, 1));
-    auto inside = staging({per_machine, machines, chunk}, dtype);
-    inside.tensor[place.local].copy_(outgoing.tensor[place.local]);
-    auto machine_sum = staging({machines, chunk}, dtype);
     const bool ring = algorithm == CollectiveAlgorithm::kTwoLevelRing;
-    auto across_received = staging({ring ? machines - 1 : machines, chunk}, dtype);
+    const int64_t pieces = ring ? 1 : two_level_pieces(chunk, tensor.element_size());
+    const int64_t piece = chunk / pieces;
+    // [l][p][m]: piece p of rank (m, l)'s chunk; reused for the reduced pieces gathered at the end.
+    auto outgoing = staging({per_machine, pieces, machines, piece}, dtype);
+    outgoing.tensor.copy_(rows.view({machines, per_machine, pieces, piece}).permute({1, 2, 0, 3}));
+    auto inside = staging({per_machine, pieces, machines, piece}, dtype);
+    inside.tensor[place.local].copy_(outgoing.tensor[place.local]);
+    auto machine_sum = staging({pieces, machines, piece}, dtype);
+    auto across_received = staging({pieces, ring ? machines - 1 : machines, piece}, dtype);
     blocks = {outgoing, inside, machine_sum, across_received};
-    const auto peers = place.inside();
-    auto first = exchange_with(
-        transport, issued.data_tag, Traffic::kAllReduce, peers,
-        [&](int64_t peer) { return as_bytes(outgoing.tensor[place.local_of(peer)]); },
-        [&](int64_t peer) { return as_bytes(inside.tensor[place.local_of(peer)]); });
-    schedule.deferred = defer(group, issued,
-                              [transport, issued, ring, place, op, outgoing = outgoing.tensor, inside = inside.tensor,
-                               machine_sum = machine_sum.tensor, across_received = across_received.tensor,
-                               first = std::move(first)]() mutable {
-                                wait_exchange(transport, issued, first);
-                                reduce_rows_into(machine_sum.view({-1}), inside.view({place.per_machine, -1}), op);
-                                // machine_sum[m] <- the whole group's sum of rank (m, l)'s chunk.
-                                auto across =
-                                    ring ? ring_all_reduce(transport, issued, place.across_ring(), place.machine,
-                                                           machine_sum, across_received, op, Traffic::kAllReduce)
-                                         : direct_all_reduce(
-                                               transport, issued, place.across(),
-                                               [&place](int64_t peer) { return place.machine_of(peer); }, place.machine,
-                                               machine_sum, across_received, op, Traffic::kAllReduce);
-                                wait_exchange(transport, issued, across);
-                                // Inside the machine again: every rank's reduced chunks to the others (`outgoing` is
-                                // free now).
-                                auto gathered = outgoing;
-                                gathered[place.local].copy_(machine_sum);
-                                return exchange_with(
-                                    transport, issued.data_tag, Traffic::kAllReduce, place.inside(),
-                                    [&](int64_t) { return as_bytes(gathered[place.local]); },
-                                    [&](int64_t peer) { return as_bytes(gathered[place.local_of(peer)]); });
-                              });
+    Exchange first;
+    for (int64_t index = 0; index < pieces; ++index) {
+      for (const auto peer : place.inside()) {
+        first.add(post_receive(transport, as_bytes(inside.tensor[place.local_of(peer)][index]), peer, issued.data_tag),
+                  peer);
+      }
+    }
+    Exchange first_sends;
+    for (int64_t index = 0; index < pieces; ++index) {
+      for (const auto peer : place.inside()) {
+        first_sends.add(post_send(transport, as_bytes(outgoing.tensor[place.local_of(peer)][index]), peer,
+                                  issued.data_tag, Traffic::kAllReduce),
+                        peer);
+      }
+    }
+    schedule.deferred = defer(
+        group, issued,
+        [transport, issued, ring, place, op, pieces, outgoing = outgoing.tensor, inside = inside.tensor,
+         machine_sum = machine_sum.tensor, across_received = across_received.tensor, first = std::move(first),
+         first_sends = std::move(first_sends)]() mutable {
+          const auto across = place.across();
+          const auto count = static_cast<size_t>(place.per_machine - 1);
+          auto piece_of = [](const Exchange& all, int64_t index, size_t per_piece) {
+            Exchange part;
+            for (size_t work = 0; work < per_piece; ++work) {
+              const auto position = static_cast<size_t>(index) * per_piece + work;
+              part.add(all.works[position], all.peers[position]);
+            }
+            return part;
+          };
+          // Each piece: its machine sum, then its reduce-scatter across machines.
+          std::vector<Exchange> reduced(static_cast<size_t>(pieces));
+          for (int64_t index = 0; index < pieces; ++index) {
+            auto arrived = piece_of(first, index, count);
+            wait_exchange(transport, issued, arrived);
+            auto sum = machine_sum[index];
+            reduce_rows_into(sum.view({-1}), inside.select(1, index).reshape({place.per_machine, -1}), op);
+            if (ring) {
+              auto rest = ring_all_reduce(transport, issued, place.across_ring(), place.machine, sum,
+                                          across_received[index], op, Traffic::kAllReduce);
+              wait_exchange(transport, issued, rest);
+              continue;
+            }
+            across_received[index][place.machine].copy_(sum[place.machine]);
+            reduced[static_cast<size_t>(index)] = exchange_with(
+                transport, issued.data_tag, Traffic::kAllReduce, across,
+                [&](int64_t peer) { return as_bytes(sum[place.machine_of(peer)]); },
+                [&](int64_t peer) { return as_bytes(across_received[index][place.machine_of(peer)]); });
+          }
+          // Then its all-gather across machines: machine_sum[p][m] <- the group's sum of rank (m, l)'s piece.
+          Exchange later;
+          std::vector<Exchange> gathered_across(static_cast<size_t>(pieces));
+          for (int64_t index = 0; !ring && index < pieces; ++index) {
+            auto [receives, sends] = split_receives(std::move(reduced[static_cast<size_t>(index)]), across.size());
+            wait_exchange(transport, issued, receives);
+            later.append(std::move(sends));
+            auto sum = machine_sum[index];
+            auto own = sum[place.machine];
+            reduce_rows_into(own, across_received[index], op);
+            gathered_across[static_cast<size_t>(index)] = exchange_with(
+                transport, issued.data_tag, Traffic::kAllReduce, across, [&](int64_t) { return as_bytes(own); },
+                [&](int64_t peer) { return as_bytes(sum[place.machine_of(peer)]); });
+          }
+          // Then inside the machine again: every rank's reduced pieces to the others, into `outgoing`,
+          // whose sends of the first stage are done by then.
+          wait_exchange(transport, issued, first_sends);
+          auto gathered = outgoing;
+          for (int64_t index = 0; index < pieces; ++index) {
+            if (!ring) {
+              auto [receives, sends] =
+                  split_receives(std::move(gathered_across[static_cast<size_t>(index)]), across.size());
+              wait_exchange(transport, issued, receives);
+              later.append(std::move(sends));
+            }
+            gathered[place.local][index].copy_(machine_sum[index]);
+            later.append(exchange_with(
+                transport, issued.data_tag, Traffic::kAllReduce, place.inside(),
+                [&](int64_t) { return as_bytes(gathered[place.local][index]); },
+                [&](int64_t peer) { return as_bytes(gathered[place.local_of(peer)][index]); }));
+          }
+          return later;
+        });
     const auto gathered = outgoing.tensor;
-    const int64_t machines_count = machines, per_machine_count = per_machine;
-    schedule.finish = [rows, gathered, machines_count, per_machine_count] {
-      rows.view({machines_count, per_machine_count, -1}).copy_(gathered.transpose(0, 1));
+    schedule.finish = [rows, gathered, machines, per_machine, pieces] {
+      rows.view({machines, per_machine, pieces, -1}).copy_(gathered.permute({2, 0, 1, 3}));
     };
   }
   auto previous = schedule.finish;
