@@ -9,8 +9,9 @@
 // all-reduce (Note [Algorithms by measurement]: direct, ring, and on several machines two_level_direct
 // and two_level_ring), through the engine's own calls with the algorithm forced, at 64 KB to 64 MB
 // (the full buffer), on the world group and, with three machines or more, on the group of one rank per
-// machine. Rounds alternate the algorithms; each time is the slowest rank's, each figure the median
-// over rounds with the fastest and slowest round. Rank 0 prints one JSON line per (collective, group,
+// machine. Two collectives are in flight at once (kInFlight), as the engine's prefetch keeps them, and
+// the time is per collective. Rounds alternate the algorithms; each time is the slowest rank's, each
+// figure the median over rounds with the fastest and slowest round. Rank 0 prints one JSON line per (collective, group,
 // size, algorithm), and with `--table FILE` writes the fastest algorithm per size as rows of the
 // table the engine reads (bench/collective_table.sh merges them into src/dist/collective_algorithms.tsv).
 //   fsdp launch --nproc-per-node 8 -- build/bin/collective_bench --sweep [--rounds 5] [--table rows.tsv]
@@ -47,26 +48,38 @@ double median_seconds(const fsdp::DistributedContext& context, int repeats, cons
   return times[times.size() / 2];
 }
 
-// One collective of `operation` on `group` with a buffer of `bytes`, timed as the slowest rank saw it.
+// Collectives in flight at once while the sweep times one: FSDP issues the next unit's all-gather
+// before it waits for the current one (prefetch), and a reduce-scatter while the next all-gather is
+// in flight, so an algorithm is timed as the engine uses it, beside another, not alone (alone, the
+// two levels of one collective wait for each other; beside another they overlap its levels).
+constexpr int kInFlight = 2;
+
+// kInFlight collectives of `operation` on `group`, issued back to back on their own buffers and then
+// waited for: the time per collective, as the slowest rank saw it.
 double time_once(const fsdp::DistributedContext& context, const fsdp::ProcessGroup& group,
-                 CollectiveOperation operation, const at::Tensor& full, const at::Tensor& shard) {
+                 CollectiveOperation operation, const std::vector<at::Tensor>& fulls,
+                 const std::vector<at::Tensor>& shards) {
   fsdp::barrier(context.control());
   const auto start = std::chrono::steady_clock::now();
-  switch (operation) {
-    case CollectiveOperation::kAllGather:
-      fsdp::all_gather(group, full, shard);
-      break;
-    case CollectiveOperation::kReduceScatter:
-      fsdp::reduce_scatter(group, shard, full);
-      break;
-    case CollectiveOperation::kAllReduce:
-      fsdp::all_reduce(group, full);
-      break;
+  std::vector<fsdp::CollectiveWork> works;
+  for (size_t index = 0; index < fulls.size(); ++index) {
+    switch (operation) {
+      case CollectiveOperation::kAllGather:
+        works.push_back(fsdp::all_gather_async(group, fulls[index], shards[index]));
+        break;
+      case CollectiveOperation::kReduceScatter:
+        works.push_back(fsdp::reduce_scatter_async(group, shards[index], fulls[index]));
+        break;
+      case CollectiveOperation::kAllReduce:
+        works.push_back(fsdp::all_reduce_async(group, fulls[index]));
+        break;
+    }
   }
+  for (auto& work : works) work.wait();
   auto elapsed =
       torch::tensor({std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()}, torch::kDouble);
   fsdp::all_reduce(context.control(), elapsed, fsdp::ReduceOp::kMax);
-  return elapsed.item<double>();
+  return elapsed.item<double>() / static_cast<double>(fulls.size());
 }
 
 struct Measured {
@@ -135,14 +148,17 @@ std::vector<Measured> sweep_group(const fsdp::DistributedContext& context, const
        {CollectiveOperation::kAllGather, CollectiveOperation::kReduceScatter, CollectiveOperation::kAllReduce}) {
     for (const auto bytes : sizes) {
       const int64_t numel = bytes / 4 / size * size;
-      auto full = torch::randn({numel});
-      auto shard = torch::randn({numel / size});
+      std::vector<at::Tensor> fulls, shards;
+      for (int index = 0; index < kInFlight; ++index) {
+        fulls.push_back(torch::randn({numel}));
+        shards.push_back(torch::randn({numel / size}));
+      }
       std::vector<std::vector<double>> times(algorithms.size());
       // One warm-up each (first touch of the pool's blocks), then rounds that alternate the algorithms.
       for (int round = 0; round <= rounds; ++round) {
         for (size_t index = 0; index < algorithms.size(); ++index) {
           fsdp::detail::force_algorithm(group, operation, algorithms[index]);
-          const double seconds = time_once(context, group, operation, full, shard);
+          const double seconds = time_once(context, group, operation, fulls, shards);
           if (round > 0) times[index].push_back(seconds);
         }
       }
@@ -157,10 +173,10 @@ std::vector<Measured> sweep_group(const fsdp::DistributedContext& context, const
         std::printf(
             "{\"benchmark\": \"collective_sweep\", \"collective\": \"%s\", \"group\": \"%s\", \"machines\": %lld, "
             "\"ranks_per_machine\": %lld, \"bytes\": %lld, \"algorithm\": \"%s\", \"median_s\": %.6f, "
-            "\"fastest_s\": %.6f, \"slowest_s\": %.6f, \"rounds\": %d}\n",
+            "\"fastest_s\": %.6f, \"slowest_s\": %.6f, \"rounds\": %d, \"in_flight\": %d}\n",
             fsdp::detail::to_string(operation), group.name().c_str(), static_cast<long long>(shape.machines),
             static_cast<long long>(shape.ranks_per_machine), static_cast<long long>(entry.bytes),
-            fsdp::detail::to_string(entry.algorithm), entry.median, entry.fastest, entry.slowest, rounds);
+            fsdp::detail::to_string(entry.algorithm), entry.median, entry.fastest, entry.slowest, rounds, kInFlight);
         std::fflush(stdout);
       }
     }

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "dist/activity.h"
+#include "dist/c10d/backend.h"
 #include "dist/selftest.h"
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
@@ -306,6 +307,13 @@ TEST(CollectiveFrames, ARankThatNeverIssuesTheCollectiveIsNamedAfterTheTimeout) 
       3,
       [](const DistributedContext& context) {
         const auto& world = context.world();
+        // The direct exchange, where ranks 0 and 1 both wait for rank 2 itself (in a ring, rank 1 would
+        // wait for rank 0 and name it; SchedulesOnTwoMachines.ARankLost... covers such chains).
+        for (const auto operation :
+             {detail::CollectiveOperation::kAllGather, detail::CollectiveOperation::kReduceScatter,
+              detail::CollectiveOperation::kAllReduce}) {
+          detail::force_algorithm(world, operation, detail::CollectiveAlgorithm::kDirect);
+        }
         if (world.rank() == 2) {
           // Alive past the others' 2 s timeout (so that they time out rather than see it leave), by a
           // margin for their start-up skew.

@@ -223,6 +223,8 @@ std::chrono::milliseconds grace_of(std::chrono::milliseconds timeout) {
 }
 constexpr std::chrono::milliseconds kFirstPoll{50};
 constexpr std::chrono::milliseconds kLongestPoll{1000};
+// How often the stall watch looks at the waits registered.
+constexpr std::chrono::milliseconds kLook{50};
 
 }  // namespace
 
@@ -340,8 +342,8 @@ struct StallRegistration::Entry {
 
 namespace {
 
-// One thread per process looks at every registered wait a few times a second; it runs only while a
-// checked collective is being waited for past its grace period, and touches the store only then.
+// One thread per process looks at the registered waits 20 times a second (from the first checked
+// wait on), and diagnoses, with the store, only those past their grace period.
 class StallWatch {
  public:
   static StallWatch& instance() {
@@ -349,16 +351,15 @@ class StallWatch {
     return *watch;
   }
 
+  // No wake-up per registration: most waits end long before their grace period, and the thread looks
+  // at the list a few times a second whatever it holds.
   void add(const std::shared_ptr<StallRegistration::Entry>& entry) {
-    {
-      std::lock_guard<std::mutex> lock(mutex_);
-      entries_.push_back(entry);
-      if (!started_) {
-        started_ = true;
-        std::thread([this] { run(); }).detach();
-      }
+    std::lock_guard<std::mutex> lock(mutex_);
+    entries_.push_back(entry);
+    if (!started_) {
+      started_ = true;
+      std::thread([this] { run(); }).detach();
     }
-    changed_.notify_one();
   }
 
   void remove(const std::shared_ptr<StallRegistration::Entry>& entry) {
@@ -369,12 +370,10 @@ class StallWatch {
  private:
   void run() {
     for (;;) {
+      std::this_thread::sleep_for(kLook);
       std::vector<std::shared_ptr<StallRegistration::Entry>> due;
       {
-        // Asleep while nothing is waited for; a few looks a second while something is.
-        std::unique_lock<std::mutex> lock(mutex_);
-        changed_.wait(lock, [this] { return !entries_.empty(); });
-        changed_.wait_for(lock, std::chrono::milliseconds(20));
+        std::lock_guard<std::mutex> lock(mutex_);
         const auto now = std::chrono::steady_clock::now();
         for (const auto& entry : entries_) {
           if (entry->due <= now) due.push_back(entry);
@@ -448,11 +447,17 @@ class StallWatch {
       for (const auto& [rank, header] : report->differences) note(rank, header);
     }
     if (differences.empty()) return;  // it waits in the same collective, for someone else
+    // The others to ask: the peers of this wait, then the group's other ranks in order after this one
+    // (a ring or a second level never exchanges with most of them), at most 16 reads of the store.
     std::vector<int64_t> others;
-    for (const auto other : entry.peers) {
-      if (other != peer && std::find(others.begin(), others.end(), other) == others.end()) others.push_back(other);
-    }
-    if (others.size() > kLargestReportedDifferences) others.resize(kLargestReportedDifferences);
+    auto consider = [&](int64_t other) {
+      if (other != peer && other != members.rank && others.size() < kLargestReportedDifferences &&
+          std::find(others.begin(), others.end(), other) == others.end()) {
+        others.push_back(other);
+      }
+    };
+    for (const auto other : entry.peers) consider(other);
+    for (int64_t offset = 1; offset < members.size; ++offset) consider((members.rank + offset) % members.size);
     bool all_reported = true;
     for (const auto other : others) {
       const auto other_report = read_report(store, other);
@@ -478,7 +483,6 @@ class StallWatch {
   }
 
   std::mutex mutex_;
-  std::condition_variable changed_;
   std::vector<std::shared_ptr<StallRegistration::Entry>> entries_;
   bool started_ = false;
 };
@@ -525,14 +529,13 @@ void publish_failure(const Transport& transport, const IssuedCollective& issued,
 
 std::string StallRegistration::report_failure(const std::string& error, int64_t peer, bool timed_out) {
   const auto& members = *entry_->transport.members;
-  publish_failure(entry_->transport, entry_->issued, error);
   std::string said;
   try {
     const auto report = read_report(*entry_->transport.store, peer);
     const auto global = std::to_string(members.global_ranks[static_cast<size_t>(peer)]);
     const bool here = report && report->sequence == entry_->issued.sequence;
     if (here && report->state == ReportState::kFailed) {
-      // The peer failed in this collective first and then exited (a closed connection): its reason.
+      // The peer failed in this collective first (and then exited, or timed out): its reason.
       said = " Rank " + global + " had failed in it: " + report->text;
     } else if (timed_out && (!report || static_cast<int32_t>(report->sequence - entry_->issued.sequence) < 0)) {
       // Sequence numbers wrap: "before" is a negative difference modulo 2^32.
@@ -543,6 +546,8 @@ std::string StallRegistration::report_failure(const std::string& error, int64_t 
   } catch (const std::exception&) {
     // No store to ask (its host exited): the error says enough.
   }
+  // What the peers that wait for this rank will read: the failure with what it learned.
+  publish_failure(entry_->transport, entry_->issued, error + "." + said);
   return said;
 }
 
