@@ -63,9 +63,11 @@ def main():
         cells.setdefault(key, {}).setdefault(row["algorithm"], {})[row["bytes"]] = row
     lines = ["<!-- collective-table -->", "",
              f"Measured {stamp} on {platform.node()} ({platform.machine()}, {cores} cores) with `{command}`: the "
-             "time of each collective, the slowest rank's, in ms: median over rounds (fastest-slowest round); the "
-             "fastest algorithm of each size in bold, which is what src/dist/collective_algorithms.tsv says. "
-             "Sizes are the full buffer.", "",
+             "time of each collective, the slowest rank's, with two in flight at once (per collective), in ms: "
+             "median over rounds (fastest-slowest round); the fastest of each size in bold. "
+             "src/dist/collective_algorithms.tsv takes it where it is at least 10 % faster than the layout's "
+             "default (direct; two_level_direct across machines), and a size whose choice differs from both "
+             "neighbours' takes theirs (collective_bench's table_rows). Sizes are the full buffer.", "",
              "| layout (machines x ranks) | link | collective | algorithm | "
              + " | ".join(f"{size / 2 ** 20:g} MB" for size in sizes) + " |",
              "|---|---|---|---|" + "---|" * len(sizes)]

@@ -28,6 +28,18 @@ using testing::error_message_of;
 constexpr CollectiveOperation kOperations[] = {CollectiveOperation::kAllGather, CollectiveOperation::kReduceScatter,
                                                CollectiveOperation::kAllReduce};
 
+// Ranks that look like machines of `per_machine` ranks, with one more variable set on every rank.
+testing::MultiRankOptions machines_with(int per_machine, const std::string& name, const std::string& value) {
+  auto options = testing::simulated_machines(per_machine);
+  const auto machines = options.environment_for_rank;
+  options.environment_for_rank = [machines, name, value](int rank) {
+    auto variables = machines(rank);
+    variables[name] = value;
+    return variables;
+  };
+  return options;
+}
+
 void force_everywhere(const ProcessGroup& group, std::optional<CollectiveAlgorithm> algorithm) {
   for (const auto operation : kOperations) detail::force_algorithm(group, operation, algorithm);
 }
@@ -154,13 +166,7 @@ TEST(SchedulesOnTwoMachines, TwoLevelPiecesPutEveryElementInItsPlace) {
 TEST(SchedulesOnTwoMachines, TheCheckAddsNoMessageAndNoByte) {
   const auto directory = testing::shared_temporary_directory();
   for (const std::string check : {"1", "0"}) {
-    auto options = testing::simulated_machines(2);
-    const auto machines = options.environment_for_rank;
-    options.environment_for_rank = [machines, check](int rank) {
-      auto variables = machines(rank);
-      variables["FSDP_CHECK_COLLECTIVES"] = check;
-      return variables;
-    };
+    const auto options = machines_with(2, "FSDP_CHECK_COLLECTIVES", check);
     testing::run_on_ranks(
         4,
         [directory, check](const DistributedContext& context) {
@@ -212,13 +218,7 @@ TEST(SchedulesOnTwoMachines, TheEngineRunsWhatTheTableSays) {
                             "all_gather 2 1 - direct\n"
                             "all_reduce 2 1 - ring\n";
   }
-  auto options = testing::simulated_machines(2);
-  const auto machines = options.environment_for_rank;
-  options.environment_for_rank = [machines, table](int rank) {
-    auto variables = machines(rank);
-    variables["FSDP_COLLECTIVE_TABLE"] = table;
-    return variables;
-  };
+  const auto options = machines_with(2, "FSDP_COLLECTIVE_TABLE", table);
   testing::run_on_ranks(
       4,
       [](const DistributedContext& context) {

@@ -2,6 +2,8 @@
 // what it is; a collective that stalls is diagnosed through the group's store; an NCCL collective's
 // header travels on Gloo beside it.
 #include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 #include <sstream>
@@ -230,6 +232,14 @@ constexpr std::chrono::milliseconds kLook{50};
 
 // --- issue ------------------------------------------------------------------------------------------
 
+bool debug_enabled() {
+  static const bool enabled = [] {
+    const char* value = std::getenv("FSDP_DEBUG");
+    return value != nullptr && std::string(value) == "1";
+  }();
+  return enabled;
+}
+
 std::string with_activity(std::string description) {
   if (!current_activity().empty()) description += " (for " + current_activity() + ")";
   return description;
@@ -411,6 +421,10 @@ class StallWatch {
     if (!entry.published) {
       store.set(report_key(members.rank), encode_report(own));
       entry.published = true;
+      if (debug_enabled()) {
+        std::fprintf(stderr, "[rank %lld] fsdp: %s waits past its grace period; reported to the store\n",
+                     static_cast<long long>(members.global_rank), entry.issued.description.c_str());
+      }
     }
     int64_t peer = -1;
     {

@@ -1,16 +1,15 @@
-// The collectives of include/fsdp/collectives.h: Note [Collectives on Gloo] (docs/design.md) says
-// what each is built from, Note [Collective check] how ranks that issued different ones are named,
-// and Note [The GPU path] how CUDA tensors take NCCL instead (dist/c10d/nccl.cpp).
-#include <ATen/core/grad_mode.h>
-#include <c10/core/InferenceMode.h>
+// The collectives of include/fsdp/collectives.h: checks of their buffers, then a CPU collective's
+// schedule (dist/c10d/schedules.cpp, Note [Algorithms by measurement] for which one) or an NCCL call.
+// Note [Collectives on Gloo] (docs/design.md) says what each is built from, Note [Collective check]
+// how ranks that issued different ones are named, and Note [The GPU path] how CUDA tensors take NCCL
+// instead (dist/c10d/nccl.cpp).
+#include <ATen/ATen.h>
 #include <fsdp/collectives.h>
 
 #include <cmath>
 #include <sstream>
 
 #include "dist/c10d/internal.h"
-#include "dist/collective_algorithm.h"
-#include "memory/buffer_pool.h"
 
 namespace fsdp {
 namespace detail {

@@ -66,6 +66,9 @@ Transport transport_of(const ProcessGroupState& group);
 
 // --- collective_check.cpp -----------------------------------------------------------------------------
 
+/// FSDP_DEBUG=1: the collectives print what they chose and what they diagnosed, on stderr.
+bool debug_enabled();
+
 enum class CollectiveKind : int64_t { kAllGather = 1, kReduceScatter, kAllReduce, kBroadcast, kBarrier };
 
 /// One collective as issued (Note [Collective check]): its sequence number, the slot its messages

@@ -132,6 +132,16 @@ std::pair<Exchange, Exchange> split_receives(Exchange exchange, size_t count) {
   return {std::move(receives), std::move(sends)};
 }
 
+// Piece `piece`'s works of `all`, an exchange posted piece by piece, `per_piece` works each.
+Exchange piece_of(const Exchange& all, int64_t piece, size_t per_piece) {
+  Exchange part;
+  for (size_t work = 0; work < per_piece; ++work) {
+    const auto position = static_cast<size_t>(piece) * per_piece + work;
+    part.add(all.works[position], all.peers[position]);
+  }
+  return part;
+}
+
 // Runs `task` on the group's issue queue under the caller's autograd mode (a queued thread does not
 // inherit it, and in-place updates of a tensor that requires grad need no_grad); what it returns is
 // what wait() waits for after it.
@@ -256,14 +266,6 @@ Staging staging(at::IntArrayRef sizes, at::ScalarType dtype) {
   return result;
 }
 
-bool debug_enabled() {
-  static const bool enabled = [] {
-    const char* value = std::getenv("FSDP_DEBUG");
-    return value != nullptr && std::string(value) == "1";
-  }();
-  return enabled;
-}
-
 }  // namespace
 
 CollectiveAlgorithm algorithm_for(ProcessGroupState& group, CollectiveOperation operation, int64_t bytes) {
@@ -370,11 +372,7 @@ Schedule schedule_all_gather(ProcessGroupState& group, const IssuedCollective& i
         Exchange sends;
         const auto count = static_cast<size_t>(place.machines - 1);
         for (int64_t index = 0; index < pieces; ++index) {
-          Exchange arrived;
-          for (size_t work = 0; work < count; ++work) {
-            const auto position = static_cast<size_t>(index) * count + work;
-            arrived.add(across_receives.works[position], across_receives.peers[position]);
-          }
+          auto arrived = piece_of(across_receives, index, count);
           wait_exchange(transport, issued, arrived);
           for (const auto peer : place.inside()) {
             sends.add(post_send(transport, as_bytes(own[index]), peer, issued.data_tag, Traffic::kAllGather), peer);
@@ -469,11 +467,7 @@ Schedule schedule_reduce_scatter(ProcessGroupState& group, const IssuedCollectiv
               Exchange sends;
               const auto count = static_cast<size_t>(place.per_machine - 1);
               for (int64_t index = 0; index < pieces; ++index) {
-                Exchange arrived;
-                for (size_t work = 0; work < count; ++work) {
-                  const auto position = static_cast<size_t>(index) * count + work;
-                  arrived.add(inside_receives.works[position], inside_receives.peers[position]);
-                }
+                auto arrived = piece_of(inside_receives, index, count);
                 wait_exchange(transport, issued, arrived);
                 auto sum = machine_sum[index];
                 reduce_rows_into(sum.view({-1}), inside.select(1, index).reshape({place.per_machine, -1}), op);
@@ -585,14 +579,6 @@ Schedule schedule_all_reduce(ProcessGroupState& group, const IssuedCollective& i
          first_sends = std::move(first_sends)]() mutable {
           const auto across = place.across();
           const auto count = static_cast<size_t>(place.per_machine - 1);
-          auto piece_of = [](const Exchange& all, int64_t index, size_t per_piece) {
-            Exchange part;
-            for (size_t work = 0; work < per_piece; ++work) {
-              const auto position = static_cast<size_t>(index) * per_piece + work;
-              part.add(all.works[position], all.peers[position]);
-            }
-            return part;
-          };
           // Each piece: its machine sum, then its reduce-scatter across machines.
           std::vector<Exchange> reduced(static_cast<size_t>(pieces));
           for (int64_t index = 0; index < pieces; ++index) {
