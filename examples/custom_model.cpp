@@ -10,6 +10,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -70,12 +71,8 @@ double train_step(Model& model, torch::optim::Optimizer& optimizer, const fsdp::
   return loss.item<double>();
 }
 
-int main(int argc, char** argv) {
-  if (argc != 2) {
-    std::fprintf(stderr, "usage: fsdp launch --nproc-per-node N -- %s CHECKPOINT_DIR\n", argv[0]);
-    return 2;
-  }
-  const std::string directory = std::string(argv[1]) + "/checkpoint_3";
+int run(const std::string& checkpoint_dir) {
+  const std::string directory = checkpoint_dir + "/checkpoint_3";
   // Rank, world size and the rendezvous from the launcher's variables (fsdp launch, torchrun, mpirun).
   const auto context = fsdp::DistributedContext::initialize_from_environment();
   TORCH_CHECK(32 % context.world_size() == 0, "the global batch of 32 rows must split evenly over the ",
@@ -107,4 +104,22 @@ int main(int argc, char** argv) {
                 static_cast<long long>(progress.step + 1), same ? "gave the same losses" : "gave OTHER losses");
   }
   return same ? 0 : 1;
+}
+
+int main(int argc, char** argv) {
+  if (argc != 2) {
+    std::fprintf(stderr, "usage: fsdp launch --nproc-per-node N -- %s CHECKPOINT_DIR\n", argv[0]);
+    return 2;
+  }
+  // One line per rank with what went wrong, instead of libtorch's backtrace and an abort.
+  const char* rank = std::getenv("RANK");
+  try {
+    return run(argv[1]);
+  } catch (const c10::Error& error) {
+    std::fprintf(stderr, "example_custom_model: rank %s: error: %s\n", rank ? rank : "0",
+                 error.what_without_backtrace());
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "example_custom_model: rank %s: error: %s\n", rank ? rank : "0", error.what());
+  }
+  return 1;
 }

@@ -197,10 +197,9 @@ if [[ "$fsdp_sanitize" == 1 ]]; then
   build_arguments=(-DCMAKE_BUILD_TYPE=RelWithDebInfo "-DCMAKE_CXX_FLAGS_RELWITHDEBINFO=-O1 -g1" -DFSDP_SANITIZE=ON)
 fi
 if ((!for_run)); then
-  # The save fault test's hook (Note [fault injection in saves]), for the tests' build only; and
-  # warnings as errors there, except under the sanitizers, whose -O1 gives GCC's flow analysis
-  # false positives (-Wmaybe-uninitialized) that a user's build must not fail on.
-  test_options=(-DFSDP_FAULT_INJECTION=ON)
+  # Warnings as errors in the tests' build, except under the sanitizers, whose -O1 gives GCC's flow
+  # analysis false positives (-Wmaybe-uninitialized) that a user's build must not fail on.
+  test_options=()
   [[ "$fsdp_sanitize" == 1 ]] || test_options+=(-DFSDP_WERROR=ON)
   build_arguments+=("${test_options[@]}")
   for option in "${test_options[@]}"; do

@@ -7,6 +7,7 @@
 
 #include <fsdp/async_checkpoint.h>
 #include <fsdp/checkpoint.h>
+#include <fsdp/data_split.h>
 #include <fsdp/plugin.h>
 #include <fsdp/process_group.h>
 #include <fsdp/sharded_grad_scaler.h>
@@ -40,7 +41,19 @@ struct AcceleratorOptions {
   /// on default_device() (a GPU when there is one), so that combination on a machine with GPUs is
   /// an error naming both. Default: false.
   bool cpu = false;
+  /// How prepare_batches() shares a loader's batches among the ranks: each batch cut into one piece
+  /// per rank instead of whole batches dealt in turn (Accelerate's DataLoaderConfiguration
+  /// split_batches, data_split.h). Default: false.
+  bool split_batches = false;
+  /// Complete the last round of batches from the first rows so every rank gets as many full batches
+  /// (DataLoaderConfiguration.even_batches). Default: true.
+  bool even_batches = true;
 };
+
+/// One line saying what Accelerator::prepare did: FSDP version, strategy, wrap policy, the units it
+/// made (count and the first 3 module paths, then the root), state_dict_type and mixed precision.
+std::string preparation_summary(const FullyShardedDataParallelPlugin& plugin, const std::string& mixed_precision,
+                                torch::nn::Module& model);
 
 /// How Accelerator::save_state saves.
 struct SaveStateOptions {
@@ -83,6 +96,13 @@ class Accelerator {
     prepare(std::shared_ptr<torch::nn::Module>(model.ptr()), optimizer);
     return model;
   }
+
+  /// Accelerate's prepare(dataloader) for a loader of `batch_size` rows per batch over `order` (a
+  /// dataset's row indices: sequential_order(rows), or seeded_random_order(rows, seed, epoch) for
+  /// shuffle=True, the same seed on every rank): this rank's batches, by the options' split_batches
+  /// and even_batches (data_split.h). Rows, not tensors: index your dataset with them.
+  std::vector<std::vector<int64_t>> prepare_batches(const std::vector<int64_t>& order, int64_t batch_size,
+                                                    bool drop_last = false) const;
 
   /// Accelerate's backward: the loss divided by gradient_accumulation_steps, scaled by the gradient
   /// scaler when there is one, then backward.
@@ -178,6 +198,10 @@ class Accelerator {
   /// Ranks that would prepare differently (another plugin from their environment, another model)
   /// get one error naming each difference, before any collective.
   void agree_on_preparation(torch::nn::Module& model, torch::optim::Optimizer& optimizer) const;
+  /// The main process prints what prepare did (preparation_summary), and warns when nothing was
+  /// configured at all: with Accelerate's defaults the whole model is one unit, which a user does not
+  /// see in C++ without it.
+  void report_preparation(torch::nn::Module& model) const;
   DistributedContext context_;
   FullyShardedDataParallelPlugin plugin_;
   std::string mixed_precision_;
@@ -193,6 +217,7 @@ class Accelerator {
   std::string project_dir_;
   int64_t total_limit_ = 0;
   bool cpu_ = false;
+  BatchSplitOptions batch_split_;
   std::unique_ptr<AsyncCheckpointer> async_checkpointer_;
   /// The asynchronous save in flight was an automatic one: rotate when it finishes.
   bool rotate_after_finish_ = false;

@@ -8,6 +8,7 @@
 #include <fsdp/checkpoint.h>
 #include <fsdp/clip_grad_norm.h>
 #include <fsdp/collectives.h>
+#include <fsdp/data_split.h>
 #include <fsdp/dcp.h>
 #include <fsdp/device.h>
 #include <fsdp/distributed_environment.h>

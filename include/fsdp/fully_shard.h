@@ -24,6 +24,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/Type.h>
 #include <fsdp/activation_checkpointing.h>
 #include <fsdp/fully_shard_options.h>
 #include <fsdp/process_group.h>
@@ -147,6 +148,26 @@ void run_pre_forward(ParamGroup& group);
 /// whose backward tells the unit that its backward is done.
 at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input);
 void run_post_forward(ParamGroup& group, std::vector<at::Tensor*>& outputs);
+/// For an error raised inside `module`'s forward: the units nested in it that hold only their
+/// shards right now ("unit blocks.0 (BlockImpl), ..."), "" when there are none. A unit whose forward
+/// was called directly, not through fsdp::forward, is one of them: ATen then sees its shard.
+std::string units_holding_shards_inside(const torch::nn::Module& module);
+/// For an error from inside `module`'s forward: its text with the units that held only their
+/// shards named, or "" to let it pass unchanged (none were; fsdp.cpp's own errors, which name their
+/// rank, and the distributed errors, whose cause is elsewhere; an error explained further in).
+std::string explain_forward_error(const torch::nn::Module& module, const c10::Error& error);
+
+/// Runs `call`; an error from inside it names the units it found sharded (explain_forward_error).
+template <typename Call>
+auto explain_forward_errors(const torch::nn::Module& module, Call&& call) {
+  try {
+    return call();
+  } catch (const c10::Error& error) {
+    const auto explained = explain_forward_error(module, error);
+    if (explained.empty()) throw;  // unchanged, its type (DistBackendError, ...) kept
+    TORCH_CHECK(false, explained);
+  }
+}
 
 template <typename T>
 inline constexpr bool kAlwaysFalse = false;
@@ -189,20 +210,44 @@ decltype(auto) prepare_input(ParamGroup& group, T&& value) {
 }  // namespace detail
 
 /// Calls `module->forward(args...)` with FSDP's pre- and post-forward around it when `module` is a
-/// unit (see the top of this file). `module` is a ModuleHolder (e.g. torch::nn::Linear) or a
-/// std::shared_ptr to a module. The output may be a Tensor or a vector, tuple, pair or optional of
-/// them: those are what backward hooks can be attached to. A module marked with checkpoint_module
-/// is activation-checkpointed (activation_checkpointing.h).
+/// unit (see the top of this file). `module` is what users hold: a ModuleHolder (torch::nn::Linear,
+/// a TORCH_MODULE of their own) or a std::shared_ptr to a module class, named or temporary
+/// (`list->ptr<BlockImpl>(i)`; for a ModuleList element, `fsdp::forward_as<BlockImpl>(list[i], x)`).
+/// The output may be a Tensor or a vector, tuple, pair or optional of them: those are what backward
+/// hooks can be attached to. A module marked with checkpoint_module is activation-checkpointed
+/// (activation_checkpointing.h). Calling it on a module that is no unit just calls its forward, so
+/// the one rule is: call every module that may be a unit (with auto-wrap, any the policy matches)
+/// through fsdp::forward. An error raised inside names the units that held only their shards then.
 template <typename Holder, typename... Args>
-auto forward(Holder& module, Args&&... args) {
+auto forward(Holder&& module, Args&&... args) {
+  static_assert(!std::is_same_v<std::decay_t<Holder>, std::shared_ptr<torch::nn::Module>>,
+                "fsdp::forward: a std::shared_ptr<torch::nn::Module> (a ModuleList element) has no forward of its "
+                "own; name its class: fsdp::forward_as<BlockImpl>(list[i], x), or list->ptr<BlockImpl>(i)");
   auto group = detail::find_param_group(module.get());
-  if (!group) return detail::call_forward(module, std::forward<Args>(args)...);
+  if (!group) {
+    return detail::explain_forward_errors(*module,
+                                          [&] { return detail::call_forward(module, std::forward<Args>(args)...); });
+  }
   detail::run_pre_forward(*group);
-  auto output = detail::call_forward(module, detail::prepare_input(*group, std::forward<Args>(args))...);
+  auto output = detail::explain_forward_errors(*module, [&] {
+    return detail::call_forward(module, detail::prepare_input(*group, std::forward<Args>(args))...);
+  });
   std::vector<at::Tensor*> outputs;
   detail::collect_outputs(output, outputs);
   detail::run_post_forward(*group, outputs);
   return output;
+}
+
+/// fsdp::forward on a module known by its base class (a ModuleList element, a child looked up by
+/// name): `fsdp::forward_as<BlockImpl>(blocks[i], x)`. A module of another class is an error naming
+/// both classes.
+template <typename ModuleType, typename... Args>
+auto forward_as(const std::shared_ptr<torch::nn::Module>& module, Args&&... args) {
+  TORCH_CHECK(module, "fsdp::forward_as: the module is null");
+  auto typed = std::dynamic_pointer_cast<ModuleType>(module);
+  TORCH_CHECK(typed, "fsdp::forward_as: the module is a ", module->name(), ", not a ",
+              c10::demangle(typeid(ModuleType).name()));
+  return forward(typed, std::forward<Args>(args)...);
 }
 
 }  // namespace fsdp

@@ -91,7 +91,9 @@ struct FullyShardedDataParallelPluginArgs {
   std::optional<StateDictConfig> optim_state_dict_config;
   /// Version 1 rate limiter for all-gathers in flight. No env var. Default: true.
   std::optional<bool> limit_all_gathers;
-  /// Env FSDP_USE_ORIG_PARAMS (version 1). Default: false. Version 2 drops it with a warning.
+  /// Env FSDP_USE_ORIG_PARAMS (version 1). Default: true (fsdp.cpp has no flat parameters and always trains the
+  /// original ones; Accelerate's default is false: docs/plugin.md); false is a warning. Version 2 drops it
+  /// with a warning.
   std::optional<std::variant<bool, std::string>> use_orig_params;
   /// Default: none (the engine materializes meta-device parameters itself). Never overwritten.
   std::optional<ParamInitFn> param_init_fn;
@@ -138,7 +140,8 @@ struct FullyShardedDataParallelPlugin {
   StateDictConfig state_dict_config;
   StateDictConfig optim_state_dict_config;
   bool limit_all_gathers = true;
-  bool use_orig_params = false;
+  /// Resolved: true under version 1 unless set false (a warning) and under version 2 (docs/plugin.md).
+  bool use_orig_params = true;
   ParamInitFn param_init_fn;
   bool sync_module_states = false;
   bool forward_prefetch = false;

@@ -34,6 +34,8 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
       project_dir_(options.project_dir),
       total_limit_(options.total_limit),
       cpu_(options.cpu) {
+  batch_split_.split_batches = options.split_batches;
+  batch_split_.even_batches = options.even_batches;
   TORCH_CHECK(gradient_accumulation_steps_ >= 1, "Accelerator: gradient_accumulation_steps must be at least 1, got ",
               gradient_accumulation_steps_);
   TORCH_CHECK(total_limit_ >= 0, "Accelerator: total_limit must be 0 (keep all) or positive, got ", total_limit_);
@@ -59,6 +61,14 @@ Accelerator::Accelerator(DistributedContext context, AcceleratorOptions options,
   if (mixed_precision_ != "no") plugin_.set_mixed_precision(mixed_precision_);
   // Accelerate's fp16 on an accelerator: a ShardedGradScaler over the whole job under FSDP.
   if (mixed_precision_ == "fp16" && device().is_cuda()) scaler_.emplace(context_.world());
+}
+
+std::vector<std::vector<int64_t>> Accelerator::prepare_batches(const std::vector<int64_t>& order, int64_t batch_size,
+                                                               bool drop_last) const {
+  BatchSplitOptions options = batch_split_;
+  options.batch_size = batch_size;
+  options.drop_last = drop_last;
+  return split_batches_for_rank(order, options, context_.world_size(), context_.rank());
 }
 
 c10::Device Accelerator::device() const {
@@ -125,7 +135,53 @@ std::shared_ptr<torch::nn::Module> Accelerator::prepare(const std::shared_ptr<to
   fsdp2_switch_optimizer_parameters(optimizer, mapping);
   model_ = model;
   optimizer_ = &optimizer;
+  report_preparation(*model);
   return model;
+}
+
+std::string preparation_summary(const FullyShardedDataParallelPlugin& plugin, const std::string& mixed_precision,
+                                torch::nn::Module& model) {
+  std::vector<std::string> units;
+  for (const auto& item : model.named_modules("", /*include_self=*/true)) {
+    if (is_fsdp_module(*item.value())) units.push_back(item.key());
+  }
+  // Inner units first, the root last (fully_shard's order); at most 3 named.
+  std::string listed;
+  size_t named = 0;
+  for (const auto& unit : units) {
+    if (unit.empty() || named == 3) continue;
+    listed += (named++ == 0 ? "" : ", ") + unit;
+  }
+  const bool has_root = std::find(units.begin(), units.end(), "") != units.end();
+  const size_t inner = units.size() - (has_root ? 1 : 0);
+  if (inner > named) listed += ", ... " + std::to_string(inner - named) + " more";
+  if (has_root) listed += listed.empty() ? "the root alone" : " and the root";
+  std::string strategy = plugin.fsdp_version == 1
+                             ? std::string("sharding_strategy ") + to_string(plugin.sharding_strategy)
+                             : "reshard_after_forward " + plugin.reshard_after_forward.to_string();
+  return "fsdp: prepared with FSDP version " + std::to_string(plugin.fsdp_version) + ", " + strategy +
+         ", auto_wrap_policy " + to_string(plugin.auto_wrap_policy) + ": " + std::to_string(units.size()) +
+         (units.size() == 1 ? " unit (" : " units (") + listed + "), state_dict_type " +
+         to_string(plugin.state_dict_type) + ", mixed precision " + mixed_precision +
+         (plugin.cpu_offload.offload_params ? ", parameters offloaded to the CPU" : "");
+}
+
+void Accelerator::report_preparation(torch::nn::Module& model) const {
+  if (!is_main_process()) return;
+  print(preparation_summary(plugin_, mixed_precision_, model));
+  // Configured: a field given as an argument, by an FSDP_* variable (fsdp launch exports the YAML's
+  // keys as those), not only defaults and values derived from them.
+  const bool configured = std::any_of(plugin_.sources.begin(), plugin_.sources.end(), [](const auto& entry) {
+    return entry.second == "argument" || entry.second.rfind("environment variable", 0) == 0;
+  });
+  if (!configured) {
+    TORCH_WARN(
+        "Accelerator::prepare: no FSDP configuration was given (no plugin argument, no FSDP_* variable, no "
+        "Accelerate YAML through `fsdp launch --config_file`), so Accelerate's defaults apply: FSDP version 1, "
+        "no auto-wrap (the whole model is one unit, gathered whole for every forward), FULL_STATE_DICT "
+        "checkpoints. Set fsdp_config in an Accelerate YAML (examples/accelerate.yaml; keys in docs/plugin.md) "
+        "or AcceleratorOptions::fsdp_plugin");
+  }
 }
 
 void Accelerator::agree_on_preparation(torch::nn::Module& model, torch::optim::Optimizer& optimizer) const {
@@ -224,6 +280,12 @@ bool Accelerator::finish_checkpoint(bool wait) {
 
 TrainingProgress Accelerator::load_state(const std::string& directory) {
   TORCH_CHECK(model_ && optimizer_, "Accelerator::load_state: prepare(model, optimizer) first");
+  TORCH_CHECK(!directory.empty(),
+              "Accelerator::load_state: the directory is \"\", which latest_checkpoint() returns "
+              "when '",
+              (std::filesystem::path(project_dir_) / "checkpoints").string(),
+              "' holds no complete checkpoint yet. Load only when there is one: if (auto latest = "
+              "accelerator.latest_checkpoint(); !latest.empty()) accelerator.load_state(latest);");
   finish_checkpoint(true);
   return load_checkpoint(directory, *model_, *optimizer_, context_, checkpoint_options_from_plugin(plugin_));
 }

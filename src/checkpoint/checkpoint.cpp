@@ -8,6 +8,7 @@
 #include <fsdp/torch_file.h>
 #include <fsdp/version.h>
 
+#include <algorithm>
 #include <cmath>
 #include <filesystem>
 #include <functional>
@@ -323,6 +324,42 @@ bool is_complete_checkpoint(const std::string& directory) {
 
 namespace {
 
+// For an error about `directory`: the complete checkpoints beside it (its parent's subdirectories),
+// newest name last, so the message can offer the ones that would load. At most the 5 last by name.
+std::string complete_checkpoints_beside(const std::string& directory) {
+  const auto parent = fs::path(directory).lexically_normal().parent_path();
+  std::error_code failure;
+  if (!parent.empty() && !fs::is_directory(parent, failure)) return " '" + parent.string() + "' does not exist either.";
+  std::vector<std::string> found;
+  for (const auto& item : fs::directory_iterator(parent.empty() ? fs::path(".") : parent, failure)) {
+    if (item.is_directory(failure) && is_complete_checkpoint(item.path().string()))
+      found.push_back(item.path().string());
+  }
+  if (found.empty()) return " No complete checkpoint is beside it in '" + parent.string() + "'.";
+  // checkpoint_<i> names sort by i; others by name.
+  auto number = [](const std::string& path) -> int64_t {
+    const auto name = fs::path(path).filename().string();
+    const std::string prefix = "checkpoint_";
+    if (name.rfind(prefix, 0) != 0 || name.size() == prefix.size() || name.size() > prefix.size() + 18) return -1;
+    for (size_t index = prefix.size(); index < name.size(); ++index) {
+      if (name[index] < '0' || name[index] > '9') return -1;
+    }
+    return std::stoll(name.substr(prefix.size()));
+  };
+  std::sort(found.begin(), found.end(), [&](const std::string& a, const std::string& b) {
+    return std::make_pair(number(a), a) < std::make_pair(number(b), b);
+  });
+  if (found.size() > 5) found.erase(found.begin(), found.end() - 5);
+  std::string list;
+  for (const auto& path : found) list += (list.empty() ? "" : ", ") + ("'" + path + "'");
+  return " Complete checkpoints beside it: " + list +
+         " (Accelerator::latest_checkpoint() returns the newest automatic one).";
+}
+
+}  // namespace
+
+namespace {
+
 // What every save does before its files: the directory stops counting as a checkpoint, every rank
 // agrees on it and it exists. Returns the save's id, rank 0's (Note [save identity]).
 std::string begin_save(const std::string& directory, const DistributedContext& context) {
@@ -440,6 +477,11 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
 TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,
                                  torch::optim::Optimizer& optimizer, const DistributedContext& context,
                                  const CheckpointOptions& options) {
+  // An empty path is what latest_checkpoint() returns when there is none yet.
+  TORCH_CHECK(!directory.empty(), "load_checkpoint: the checkpoint directory is \"\" (an empty path; ",
+              "Accelerator::latest_checkpoint() returns that when no complete checkpoint exists yet). Load only when ",
+              "there is one: if (auto latest = accelerator.latest_checkpoint(); !latest.empty()) ",
+              "accelerator.load_state(latest);");
   detail::agree_on_operation(context, "load_checkpoint('" + canonical(directory) + "')");
   StateDictType type = StateDictType::kShardedStateDict;
   int64_t saved_world_size = 0;
@@ -457,7 +499,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
   std::string error;
   try {
     const auto marker_path = path_in(directory, kMarker);
-    TORCH_CHECK(fs::is_directory(directory), "checkpoint directory '", directory, "' does not exist");
+    TORCH_CHECK(fs::is_directory(directory), "checkpoint directory '", directory, "' does not exist.",
+                complete_checkpoints_beside(directory));
     // FULL: the model file and optimizer.bin (rank0_only: rank 0 alone reads them, and the others
     // receive their rows).
     auto read_full_files = [&](const std::string& recorded) {
@@ -519,7 +562,8 @@ TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module
                   kShardedOptimizer, "/. Load an earlier checkpoint, or only the weights");
       TORCH_CHECK(fs::exists(marker_path), "checkpoint directory '", directory, "' is incomplete: ", kMarker,
                   " is missing, so the save that wrote it did not finish on every rank (or this is not a checkpoint). "
-                  "Load an earlier checkpoint");
+                  "Load an earlier checkpoint.",
+                  complete_checkpoints_beside(directory));
       try {
         // The marker is a line of JSON.
         marker = nlohmann::json::parse(detail::read_text_file(marker_path, uint64_t{1} << 20, "checkpoint marker"));

@@ -35,7 +35,7 @@ const std::vector<PluginField>& plugin_fields() {
        "offload_to_cpu and rank0_only of the optimizer state dict (derived from state_dict_type)"},
       {"limit_all_gathers", nullptr, nullptr, nullptr, false, nullptr, {},
        "version 1: at most two all-gathers in flight"},
-      {"use_orig_params", "FSDP_USE_ORIG_PARAMS", "fsdp_use_orig_params", "true", true, "true", {},
+      {"use_orig_params", "FSDP_USE_ORIG_PARAMS", "fsdp_use_orig_params", "true", true, "false", {},
        "version 1: train the original parameters (always, here)"},
       {"param_init_fn", nullptr, nullptr, nullptr, false, nullptr, {},
        "how modules built on the meta device get their values (a function)"},

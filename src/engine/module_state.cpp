@@ -108,6 +108,35 @@ void run_pre_forward(ParamGroup& group) {
   group.pre_forward(grad_enabled, root_state->forward_prefetch_targets(group));
 }
 
+std::string units_holding_shards_inside(const torch::nn::Module& module) {
+  std::string units;
+  for (const auto& item : module.named_modules("", /*include_self=*/false)) {
+    auto group = find_param_group(item.value().get());
+    if (!group || group->sharded_state() != ShardedState::kSharded) continue;
+    // A unit that ran through fsdp::forward and resharded after it is not the one called directly.
+    const auto root = root_state_of(*group);
+    if (root && root->ran_in_this_forward(group.get())) continue;
+    units += (units.empty() ? "" : ", ") + group->description();
+  }
+  return units;
+}
+
+std::string explain_forward_error(const torch::nn::Module& module, const c10::Error& error) {
+  const std::string message = error.what_without_backtrace();
+  // The innermost fsdp::forward explains; the ones around it pass its error on unchanged.
+  static const std::string kExplained = "hold only their shards";
+  if (message.find(kExplained) != std::string::npos || message.rfind("[rank ", 0) == 0 ||
+      dynamic_cast<const c10::DistError*>(&error) != nullptr) {
+    return "";
+  }
+  const auto units = units_holding_shards_inside(module);
+  if (units.empty()) return "";
+  return message + "\n(fsdp: raised inside the forward of " + module.name() + ", where these units " + kExplained +
+         ": " + units +
+         ". A unit called directly (block(x) or block->forward(x)) computes with its shards, not its parameters: "
+         "call each unit through fsdp::forward(block, x), which gathers them first)";
+}
+
 at::Tensor prepare_forward_input(ParamGroup& group, const at::Tensor& input) {
   if (!input.defined()) return input;
   at::Tensor result = input;

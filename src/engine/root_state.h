@@ -5,6 +5,7 @@
 // state while the hooks register trees there: each of the three includes only what is below it.
 #pragma once
 
+#include <algorithm>
 #include <deque>
 #include <memory>
 #include <vector>
@@ -25,6 +26,10 @@ class RootState : public std::enable_shared_from_this<RootState> {
   /// finished (it threw) is abandoned first, so one failed step cannot break the next.
   void begin_iteration();
   void record_post_forward(ParamGroup* group);
+  /// Whether `group`'s forward has run (through fsdp::forward) in the forward in progress.
+  bool ran_in_this_forward(const ParamGroup* group) const {
+    return std::find(forward_order_.begin(), forward_order_.end(), group) != forward_order_.end();
+  }
   /// Units to all-gather while `group` computes its forward: its explicit list, or else (implicit
   /// prefetch) the unit that followed it in the previous forward, if this forward has run the same
   /// units so far. Records `group` in this forward's order.

@@ -8,52 +8,14 @@
 #include <cstring>
 #include <filesystem>
 
-#ifdef FSDP_FAULT_INJECTION
-#include <atomic>
-#include <csignal>
-#include <cstdlib>
-#endif
+#include "io/fault_point.h"
 
 namespace fsdp::detail {
 
 namespace {
 
-#ifdef FSDP_FAULT_INJECTION
-// Note [fault injection in saves]
-// A build with FSDP_FAULT_INJECTION (CMake's option of that name: off by default, on in the tests'
-// build that scripts/setup.sh configures) numbers every write, fsync and rename this layer makes in a process, and with
-// FSDP_TEST_FAULT_KILL_AT=k (and FSDP_TEST_FAULT_KILL_RANK=r, matched against RANK) kills the process with
-// SIGKILL just before the k-th: a machine losing power in the middle of a save, at a chosen byte
-// boundary. FSDP_TEST_FAULT_LOG=path appends "<rank> <k> <operation> <file>" for each, so a test can
-// learn which numbers belong to a save and try each (tests/checkpoint/save_faults_test.cpp). Without
-// the variables nothing is counted; without the option none of this is compiled.
-void fault_point(const char* operation, const std::string& file) {
-  static const char* const rank = std::getenv("RANK");
-  static const char* const kill_rank = std::getenv("FSDP_TEST_FAULT_KILL_RANK");
-  static const bool this_rank = kill_rank == nullptr || std::string(kill_rank) == (rank ? rank : "0");
-  static const long long kill_at = [] {
-    const char* text = std::getenv("FSDP_TEST_FAULT_KILL_AT");
-    return text ? std::atoll(text) : -1LL;
-  }();
-  static const char* const log = std::getenv("FSDP_TEST_FAULT_LOG");
-  static std::atomic<long long> count{0};
-  if (kill_at < 0 && log == nullptr) return;
-  const long long number = ++count;
-  if (log != nullptr) {
-    const std::string line =
-        std::string(rank ? rank : "0") + " " + std::to_string(number) + " " + operation + " " + file + "\n";
-    const int fd = ::open(log, O_WRONLY | O_CREAT | O_APPEND | O_CLOEXEC, 0644);
-    if (fd >= 0) {
-      ssize_t ignored = ::write(fd, line.data(), line.size());
-      (void)ignored;
-      ::close(fd);
-    }
-  }
-  if (this_rank && number == kill_at) ::raise(SIGKILL);
-}
-#else
-inline void fault_point(const char*, const std::string&) {}
-#endif
+// Note [fault injection in saves] (src/io/fault_point.h): every write, fsync and rename below.
+void fault_point(const char* operation, const std::string& file) { save_fault_point(operation, file.c_str()); }
 
 }  // namespace
 

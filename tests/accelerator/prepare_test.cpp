@@ -454,3 +454,60 @@ TEST(AcceleratorPrepare, UnsupportedPluginOptionsAreErrorsNotIgnored) {
 
 }  // namespace
 }  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// prepare says what it made, on the main process: the plugin's version, strategy and wrap policy,
+// the units (count and first paths), state_dict_type, precision; and warns when nothing configured
+// FSDP at all (Accelerate's defaults: the whole model one unit). load_state of latest_checkpoint()
+// before any save names the project's checkpoints directory and the fix.
+TEST(AcceleratorPrepare, SaysWhatItMadeAndWarnsWhenNothingWasConfigured) {
+  auto context = DistributedContext::initialize(DistributedEnvironment{});
+  struct Capture : c10::WarningHandler {
+    std::string text;
+    void process(const c10::Warning& warning) override { text += warning.msg(); }
+  };
+  {
+    auto accelerator = make_accelerator(context);
+    testing::TinyTransformer model;
+    torch::optim::AdamW optimizer(unique_parameters(*model));
+    Capture capture;
+    c10::WarningUtils::WarningHandlerGuard guard(&capture);
+    ::testing::internal::CaptureStdout();
+    accelerator.prepare(model, optimizer);
+    const auto printed = ::testing::internal::GetCapturedStdout();
+    EXPECT_NE(printed.find("fsdp: prepared with FSDP version 2, reshard_after_forward true, auto_wrap_policy "
+                           "TRANSFORMER_BASED_WRAP: "),
+              std::string::npos)
+        << printed;
+    // TinyTransformer is a PretrainedModel: its embedding and final norm are units too (version 2).
+    EXPECT_NE(printed.find(": 5 units (embed_tokens, norm, layers_0, ... 1 more and the root)"), std::string::npos)
+        << printed;
+    EXPECT_NE(printed.find(" and the root), state_dict_type SHARDED_STATE_DICT, mixed precision no"), std::string::npos)
+        << printed;
+    EXPECT_EQ(capture.text.find("no FSDP configuration was given"), std::string::npos) << capture.text;
+    const auto message = testing::error_message_of([&] { accelerator.load_state(accelerator.latest_checkpoint()); });
+    EXPECT_NE(message.find("latest_checkpoint() returns when"), std::string::npos) << message;
+    EXPECT_NE(message.find("checkpoints' holds no complete checkpoint yet"), std::string::npos) << message;
+  }
+  {
+    Accelerator accelerator(context, AcceleratorOptions{}, EnvironmentMap{});
+    testing::MlpStack model;
+    torch::optim::AdamW optimizer(unique_parameters(*model));
+    Capture capture;
+    c10::WarningUtils::WarningHandlerGuard guard(&capture);
+    ::testing::internal::CaptureStdout();
+    accelerator.prepare(model, optimizer);
+    const auto printed = ::testing::internal::GetCapturedStdout();
+    EXPECT_NE(printed.find("FSDP version 1, sharding_strategy FULL_SHARD, auto_wrap_policy NO_WRAP: 1 unit (the root "
+                           "alone), state_dict_type FULL_STATE_DICT"),
+              std::string::npos)
+        << printed;
+    EXPECT_NE(capture.text.find("no FSDP configuration was given"), std::string::npos) << capture.text;
+    EXPECT_NE(capture.text.find("examples/accelerate.yaml"), std::string::npos) << capture.text;
+  }
+}
+
+}  // namespace
+}  // namespace fsdp

@@ -15,7 +15,7 @@ LAYERS = ["base", "dist", "engine", "checkpoint", "merge", "config", "accelerato
 
 # src/<directory> -> layer
 SOURCE_DIRECTORIES = {
-    "io": "base", "shard": "base", "memory": "base", "dist": "dist", "engine": "engine", "checkpoint": "checkpoint",
+    "io": "base", "shard": "base", "data_loader": "base", "memory": "base", "dist": "dist", "engine": "engine", "checkpoint": "checkpoint",
     "merge": "merge", "config": "config", "accelerator": "accelerator", "models": "models", "launch": "launch",
     "cli": "cli",
 }
@@ -23,7 +23,7 @@ SOURCE_DIRECTORIES = {
 # include/fsdp/<header> -> layer
 PUBLIC_HEADERS = {
     "version.h": "base", "shard_layout.h": "base", "safetensors.h": "base", "torch_file.h": "base",
-    "host_memory.h": "base", "device.h": "base",
+    "host_memory.h": "base", "device.h": "base", "data_split.h": "base",
     "distributed_environment.h": "dist", "process_group.h": "dist", "collectives.h": "dist",
     "sharding_options.h": "engine", "fully_shard_options.h": "engine", "fully_shard.h": "engine", "meta_device.h": "engine", "memory_estimate.h": "engine", "activation_checkpointing.h": "engine",
     "auto_wrap.h": "engine", "clip_grad_norm.h": "engine", "sharded_grad_scaler.h": "engine", "pretrained_model.h": "engine",

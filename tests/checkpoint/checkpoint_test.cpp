@@ -297,6 +297,45 @@ TEST(Checkpoint, AnOptimizerHoldingATiedWeightTwiceIsRefusedNamingIt) {
   });
 }
 
+// What a user resuming gets wrong first: no checkpoint yet (latest_checkpoint() is ""), a directory
+// that is not there, one whose save did not finish. Each error says what was found and offers the
+// complete checkpoints beside it.
+TEST(Checkpoint, NoCheckpointYetAMissingOneAndAnIncompleteOneOfferTheCompleteOnes) {
+  const auto project = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [project](const DistributedContext& context) {
+    Trainer trainer(context, 13);
+    trainer.train(context, 0, 1);
+    auto load_error = [&](const std::string& directory) {
+      return testing::error_message_of(
+          [&] { load_checkpoint(directory, *trainer.model, *trainer.optimizer, context); });
+    };
+    auto message = load_error("");
+    EXPECT_NE(message.find("the checkpoint directory is \"\""), std::string::npos) << message;
+    EXPECT_NE(message.find("latest_checkpoint() returns that when no complete checkpoint exists yet"),
+              std::string::npos)
+        << message;
+    const auto checkpoints = fs::path(project) / "checkpoints";
+    const auto complete = (checkpoints / "checkpoint_0").string(), incomplete = (checkpoints / "checkpoint_1").string();
+    message = load_error((checkpoints / "checkpoint_7").string());
+    EXPECT_NE(message.find("checkpoint_7' does not exist. '" + checkpoints.string() + "' does not exist either."),
+              std::string::npos)
+        << message;
+    save_checkpoint(complete, *trainer.model, *trainer.optimizer, context, {});
+    save_checkpoint(incomplete, *trainer.model, *trainer.optimizer, context, {});
+    barrier(context.world());
+    if (context.rank() == 0) fs::remove(fs::path(incomplete) / "checkpoint_complete.json");
+    barrier(context.world());
+    message = load_error((checkpoints / "checkpoint_7").string());
+    EXPECT_NE(message.find("checkpoint_7' does not exist. Complete checkpoints beside it: '" + complete + "' ("),
+              std::string::npos)
+        << message;
+    EXPECT_EQ(message.find(incomplete), std::string::npos) << "an incomplete one is not offered: " << message;
+    message = load_error(incomplete);
+    EXPECT_NE(message.find("is incomplete: checkpoint_complete.json is missing"), std::string::npos) << message;
+    EXPECT_NE(message.find("Complete checkpoints beside it: '" + complete + "'"), std::string::npos) << message;
+  });
+}
+
 TEST(Checkpoint, BrokenDirectoriesAreNamedErrors) {
   const auto directory = testing::shared_temporary_directory();
   testing::run_on_ranks(2, [directory](const DistributedContext& context) {

@@ -77,9 +77,9 @@ class SaveFaults : public ::testing::Test {
   std::string command(const fs::path& directory, int steps, bool resume, bool async,
                       const std::string& environment) const {
     return "env " + environment + " timeout 240 " + std::string(FSDP_CLI_PATH) +
-           " launch --nproc-per-node 2 --master-port 0 --termination-grace 1 -- " + FSDP_TRAIN_LLAMA_PATH +
-           " --output-dir " + directory.string() + " --data " + (root_ / "train.txt").string() + " --steps " +
-           std::to_string(steps) +
+           " launch --nproc-per-node 2 --master-port 0 --termination-grace 1 -- /usr/bin/env LD_PRELOAD=" +
+           FSDP_SAVE_FAULT_POINTS_PATH + " " + FSDP_TRAIN_LLAMA_PATH + " --output-dir " + directory.string() +
+           " --data " + (root_ / "train.txt").string() + " --steps " + std::to_string(steps) +
            " --seq-len 32 --global-batch-size 6 --eval-every 0 --eval-tokens 256 --sample-bytes 4 --warmup-steps 2 "
            "--checkpoint-every 2 --total-limit 0" +
            (resume ? " --resume-from latest" : "") + (async ? " --async-checkpoint" : "");

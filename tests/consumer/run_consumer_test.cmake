@@ -18,3 +18,13 @@ run_step("${WORK_DIR}/build/consumer")
 # Installed files find libtorch by RPATH too.
 run_step("${LINKAGE_TEST}" "${TORCH_LIBRARY_DIR}" "${WORK_DIR}/prefix/lib/libfsdp.so" "${WORK_DIR}/prefix/bin/fsdp"
          "${WORK_DIR}/build/consumer")
+# An install carries no test hooks (Note [fault injection in saves]): the counting fault points and
+# their variables live only in the tests' preloaded library, which is not installed.
+file(STRINGS "${WORK_DIR}/prefix/lib/libfsdp.so" fault_strings REGEX "FSDP_TEST_FAULT")
+if(fault_strings)
+  message(FATAL_ERROR "the installed libfsdp.so holds the test-only fault points: ${fault_strings}")
+endif()
+file(GLOB_RECURSE installed_fault_points "${WORK_DIR}/prefix/*fault_points*")
+if(installed_fault_points)
+  message(FATAL_ERROR "the install holds the tests' fault library: ${installed_fault_points}")
+endif()

@@ -616,6 +616,51 @@ TEST(FullyShard, ErrorsNameTheRankAndUnitsByModulePath) {
   });
 }
 
+// What users hold: a ModuleList's elements (std::shared_ptr<torch::nn::Module>, through forward_as),
+// a temporary std::shared_ptr, a ModuleHolder. A unit called directly, without fsdp::forward,
+// computes with its shard: the error ATen raises then names that unit (and not the one before it,
+// which ran through fsdp::forward and resharded) and says to call it through fsdp::forward.
+struct ListedBlockImpl : torch::nn::Module {
+  ListedBlockImpl() : norm(register_module("norm", torch::nn::LayerNorm(torch::nn::LayerNormOptions({8})))) {}
+  torch::Tensor forward(const torch::Tensor& x) { return x + norm(x); }
+  torch::nn::LayerNorm norm;
+};
+struct ListedModelImpl : torch::nn::Module {
+  ListedModelImpl() : blocks(register_module("blocks", torch::nn::ModuleList())) {
+    for (int index = 0; index < 3; ++index) blocks->push_back(std::make_shared<ListedBlockImpl>());
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto hidden = fsdp::forward_as<ListedBlockImpl>(blocks[0], x);
+    hidden = call_second_directly ? blocks->ptr<ListedBlockImpl>(1)->forward(hidden)
+                                  : fsdp::forward(blocks->ptr<ListedBlockImpl>(1), hidden);
+    return fsdp::forward_as<ListedBlockImpl>(blocks[2], hidden);
+  }
+  torch::nn::ModuleList blocks;
+  bool call_second_directly = false;
+};
+TORCH_MODULE(ListedModel);
+
+TEST(FullyShard, ForwardTakesWhatUsersHoldAndAUnitCalledDirectlyIsNamed) {
+  testing::run_on_ranks(2, [](const DistributedContext& context) {
+    torch::manual_seed(0);
+    ListedModel model;
+    for (size_t index = 0; index < model->blocks->size(); ++index) fully_shard(model->blocks[index], context);
+    fully_shard(model.ptr(), context);
+    const auto input = torch::randn({2, 8});
+    fsdp::forward(model, input).sum().backward();  // forward_as, a temporary shared_ptr, a holder
+    auto message = testing::error_message_of([&] { fsdp::forward_as<torch::nn::LinearImpl>(model->blocks[0], input); });
+    EXPECT_NE(message.find("the module is a "), std::string::npos) << message;
+    EXPECT_NE(message.find("ListedBlockImpl, not a torch::nn::LinearImpl"), std::string::npos) << message;
+    model->call_second_directly = true;
+    message = testing::error_message_of([&] { fsdp::forward(model, input); });
+    EXPECT_NE(message.find("where these units hold only their shards: FSDP unit blocks.1 ("), std::string::npos)
+        << message;
+    EXPECT_EQ(message.find("FSDP unit blocks.0 ("), std::string::npos)
+        << "blocks.0 ran through fsdp::forward: " << message;
+    EXPECT_NE(message.find("call each unit through fsdp::forward(block, x)"), std::string::npos) << message;
+  });
+}
+
 // One iteration as each unit sees it (FSDP2's TrainingState): FORWARD from the root's first forward
 // with grad until backward reaches the unit, PRE_BACKWARD while its backward runs, POST_BACKWARD
 // once reduced, IDLE after the iteration; a forward without grad starts no iteration.
