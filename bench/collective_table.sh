@@ -9,10 +9,7 @@
 # namespaces; BENCH_LAYOUTS="" measures one machine only.
 #   sudo bench/collective_table.sh
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin="${FSDP_BUILD_DIR:-$root/build}/bin"
-python="${FSDP_VENV:-$root/.venv}/bin/python"
-[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"
 source "$root/bench/hosts.sh"
 read -r -a world_sizes <<< "${BENCH_WORLD_SIZES:-2 4 8 16}"
 read -r -a layouts <<< "${BENCH_LAYOUTS-2x2 2x4 4x2 4x4}"

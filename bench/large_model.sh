@@ -21,10 +21,7 @@
 # and 20 GB of memory, 20 GB of disk under BENCH_DIR (default a temporary directory).
 #   bench/large_model.sh
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin="${FSDP_BUILD_DIR:-$root/build}/bin"
-python="${FSDP_VENV:-$root/.venv}/bin/python"
-[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"
 command -v prlimit >/dev/null || { echo "bench: prlimit (util-linux) is needed for the memory cap" >&2; exit 1; }
 cap="${BENCH_CAP:-6GiB}"
 cap_bytes="$("$python" -c "import sys; t=sys.argv[1]; u={'GiB':2**30,'GB':10**9,'MiB':2**20,'MB':10**6}; k=next((k for k in u if t.endswith(k)), None); print(int(float(t[:-len(k)])*u[k]) if k else int(t))" "$cap")"

@@ -14,10 +14,7 @@
 #   sudo bench/multi_hosts.sh
 #   BENCH_LAYOUTS="2x4" BENCH_LINK_RATES=1gbit BENCH_CHECK_ROUNDS=0 sudo -E bench/multi_hosts.sh
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin="${FSDP_BUILD_DIR:-$root/build}/bin"
-python="${FSDP_VENV:-$root/.venv}/bin/python"
-[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"
 source "$root/bench/hosts.sh"
 read -r -a layouts <<< "${BENCH_LAYOUTS:-2x2 2x4 2x8 4x2 4x4}"
 read -r -a rates <<< "${BENCH_LINK_RATES:-1gbit 10gbit}"

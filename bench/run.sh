@@ -4,11 +4,7 @@
 #   bench/run.sh            full sizes, world sizes 2 and 4, 3 alternating rounds (BENCH_ROUNDS; medians reported)
 #   bench/run.sh --smoke    tiny sizes, 2 ranks, one round, README untouched (CI runs this)
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin="${FSDP_BUILD_DIR:-$root/build}/bin"
-# The peers (PyTorch DDP and FSDP2) run in the project venv's torch, the libtorch our binaries link.
-python="${FSDP_VENV:-$root/.venv}/bin/python"
-[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"  # root, bin, python (the peers run in the venv's torch)
 smoke=0
 [[ "${1:-}" == "--smoke" ]] && smoke=1
 results="$(mktemp -d)/results.jsonl"

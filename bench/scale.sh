@@ -11,10 +11,7 @@
 #   bench/scale.sh                 N = 2 4 8 16, BENCH_ROUNDS rounds (default 3)
 #   BENCH_WORLD_SIZES="2 4" bench/scale.sh
 set -euo pipefail
-root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-bin="${FSDP_BUILD_DIR:-$root/build}/bin"
-python="${FSDP_VENV:-$root/.venv}/bin/python"
-[[ -x "$python" ]] || { echo "bench: no venv Python at $python; run scripts/setup.sh first" >&2; exit 1; }
+source "$(dirname "${BASH_SOURCE[0]}")/paths.sh"
 read -r -a world_sizes <<< "${BENCH_WORLD_SIZES:-2 4 8 16}"
 rounds="${BENCH_ROUNDS:-3}"
 sizes=(--width 512 --hidden 2048 --blocks 8 --batch 64 --steps 6)

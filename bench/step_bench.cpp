@@ -17,7 +17,8 @@
 // back, timed against `cp -r` + `sync` and a parallel read of the same files (one JSON line
 // "checkpoint"), and `--resume-from DIR` loads one before the steps (any world size; one JSON line
 // "resume"), and `--init-from HF_DIR` loads a Hugging Face directory into the sharded model before
-// the steps, rank 0 streaming one tensor at a time (one JSON line "init_from": time, each rank's
+// the steps, every rank reading the rows of its own shards, or with `--init-from-rank0 1` rank 0
+// reading and sending one tensor at a time (one JSON line "init_from": the path, time, each rank's
 // peak RSS growth and bytes read from storage). Loads and reads start with the files evicted from
 // the page cache (posix_fadvise), so they come from the disk.
 #include <fcntl.h>
@@ -165,6 +166,7 @@ int main(int argc, char** argv) {
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   int64_t heads = 8, kv_heads = 4, untied = 0, meta_init = 0;
   std::string checkpoint_dir, resume_from, init_from;
+  int64_t init_from_rank0 = 0;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
     if (flag == "--strategy")
@@ -205,13 +207,15 @@ int main(int argc, char** argv) {
       resume_from = value;
     else if (flag == "--init-from")
       init_from = value;
+    else if (flag == "--init-from-rank0")
+      init_from_rank0 = std::stoll(value);
     else {
       std::cerr
           << "usage: step_bench [--strategy FULL_SHARD|SHARD_GRAD_OP|NO_SHARD|HYBRID_SHARD|SINGLE] [--model mlp|llama] "
              "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
              "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K] [--heads H] "
              "[--kv-heads K] [--untied 0|1] [--meta-init 0|1] [--checkpoint DIR] [--resume-from DIR] [--init-from "
-             "HF_DIR]\n";
+             "HF_DIR] [--init-from-rank0 0|1]\n";
       return 2;
     }
   }
@@ -349,21 +353,24 @@ int main(int argc, char** argv) {
       return Timed{seconds, per_rank(status_mb("VmHWM") - before)};
     };
     if (!init_from.empty()) {
-      // A pretrained model of this shape: only rank 0 reads the files.
+      // A pretrained model of this shape: every rank reads its rows, or rank 0 reads and sends.
       TORCH_CHECK(!single, "--init-from needs a sharded run, not SINGLE");
       bool cold = context.rank() == 0 && evict_from_page_cache(init_from);
       fsdp::barrier(context.world());
       const double read_before = storage_read_bytes();
-      const auto load = timed([&] { fsdp::load_pretrained_weights(*model, context, init_from); });
+      fsdp::PretrainedWeightsOptions load_options;
+      load_options.rank0_only = init_from_rank0 != 0;
+      const auto load = timed([&] { fsdp::load_pretrained_weights(*model, context, init_from, load_options); });
       const std::string reads = per_rank((storage_read_bytes() - read_before) / 1e6);
       int64_t largest = 0;
       for (const auto& parameter : model->parameters()) largest = std::max<int64_t>(largest, parameter.numel());
       if (context.rank() == 0) {
         std::printf(
-            "{\"benchmark\": \"init_from\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
+            "{\"benchmark\": \"init_from\", \"peer\": \"fsdp.cpp\", \"path\": \"%s\", \"world_size\": %lld, "
+            "\"parameters\": %lld, "
             "\"bytes\": %lld, \"load_s\": %.3f, \"page_cache\": \"%s\", \"peak_rss_delta_mb\": %s, "
             "\"storage_read_mb\": %s, \"largest_shard_elements\": %lld}\n",
-            static_cast<long long>(world), static_cast<long long>(parameters),
+            init_from_rank0 ? "rank0" : "every_rank", static_cast<long long>(world), static_cast<long long>(parameters),
             static_cast<long long>(directory_bytes(init_from)), load.seconds, cold ? "cold" : "warm",
             load.peak_rss_delta_mb.c_str(), reads.c_str(), static_cast<long long>(largest));
         std::fflush(stdout);
@@ -382,6 +389,8 @@ int main(int argc, char** argv) {
         std::fflush(stdout);
       }
     }
+    // --steps 0: the loads above only (bench/init_from.sh).
+    if (steps == 0) return 0;
     // HYBRID_SHARD talks over the machine's group and the cross-machine group, the others over the world.
     // hpZ's backward all-gathers run over its post-forward group.
     const fsdp::ProcessGroup* post_forward = reshard_group > 1 && reshard_group < world

@@ -32,8 +32,18 @@ class SafetensorsCheckpointSource : public TensorSource {
   std::map<std::string, size_t> location_;
 };
 
-/// Loads a Hugging Face checkpoint into a sharded model. Only rank 0 opens the files (`path` is not
-/// used elsewhere); it broadcasts one tensor at a time and every rank keeps its rows. Collective.
-void load_pretrained_weights(torch::nn::Module& model, const DistributedContext& context, const std::string& path);
+struct PretrainedWeightsOptions {
+  /// Rank 0 alone opens the files and broadcasts one tensor at a time, every rank keeping its rows:
+  /// for storage only rank 0 can see. Otherwise every rank opens them and reads, with positioned
+  /// reads, only the byte ranges of its own shards (a replicated tensor whole): no tensor is sent,
+  /// and a rank holds its shards plus the rows it is reading. Default: false.
+  bool rank0_only = false;
+};
+
+/// Loads a Hugging Face checkpoint into a sharded model, each rank reading its own rows (or, with
+/// options.rank0_only, through rank 0). A file a rank cannot open or read, a tensor missing or of
+/// another shape, is an error on every rank naming the rank. Collective.
+void load_pretrained_weights(torch::nn::Module& model, const DistributedContext& context, const std::string& path,
+                             const PretrainedWeightsOptions& options = {});
 
 }  // namespace fsdp

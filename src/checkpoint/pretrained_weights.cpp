@@ -84,12 +84,28 @@ at::Tensor SafetensorsCheckpointSource::rows(const std::string& name, int64_t ro
   return reader.rows(name, row_begin, row_count);
 }
 
-void load_pretrained_weights(torch::nn::Module& model, const DistributedContext& context, const std::string& path) {
+void load_pretrained_weights(torch::nn::Module& model, const DistributedContext& context, const std::string& path,
+                             const PretrainedWeightsOptions& options) {
   std::unique_ptr<SafetensorsCheckpointSource> source;
+  if (options.rank0_only) {
+    detail::run_on_every_rank(context, [&] {
+      if (context.rank() == 0) source = std::make_unique<SafetensorsCheckpointSource>(path);
+    });
+    load_model_state_dict_from_rank0(model, context, source.get());
+    return;
+  }
+  // Every rank opens the files (their headers and the index: validated on each) and reads its own
+  // rows; a failure anywhere, opening or reading, is raised on every rank before the next collective.
   detail::run_on_every_rank(context, [&] {
-    if (context.rank() == 0) source = std::make_unique<SafetensorsCheckpointSource>(path);
+    try {
+      source = std::make_unique<SafetensorsCheckpointSource>(path);
+    } catch (const c10::Error& error) {
+      TORCH_CHECK(false, "[rank ", context.rank(), "] ", error.what_without_backtrace(),
+                  ". Every rank reads its own rows of the files; where only rank 0 can see them, load with "
+                  "PretrainedWeightsOptions::rank0_only (train_llama --init-from-rank0)");
+    }
   });
-  load_model_state_dict_from_rank0(model, context, source.get());
+  detail::run_on_every_rank(context, [&] { load_model_state_dict(model, *source); });
 }
 
 }  // namespace fsdp

@@ -34,6 +34,71 @@ void write_hugging_face_checkpoint(const std::string& directory, const torch::nn
       << "{\"metadata\":{\"total_size\":0},\"weight_map\":{" << weight_map << "}}";
 }
 
+TensorList tensor_list_of(const torch::nn::Module& model) {
+  TensorList tensors;
+  for (const auto& item : model.named_parameters()) tensors.emplace_back(item.key(), item.value().detach().clone());
+  return tensors;
+}
+
+// What this process has read through read()/pread() so far (/proc/self/io rchar): page cache or disk.
+int64_t bytes_read_by_this_process() {
+  std::ifstream io("/proc/self/io");
+  std::string key;
+  int64_t value = 0;
+  while (io >> key >> value) {
+    if (key == "rchar:") return value;
+  }
+  return -1;
+}
+
+// Every rank opens the files and reads only its own rows: each reads about a third of the bytes on
+// 3 ranks (its rows of each weight, the headers and the index), none is sent, and the values are
+// the checkpoint's. rank0_only reads everything on rank 0.
+TEST(PretrainedWeights, EveryRankReadsOnlyTheRowsOfItsOwnShards) {
+  const auto directory = testing::shared_temporary_directory();
+  torch::manual_seed(31);
+  auto make = [] { return torch::nn::Sequential(torch::nn::Linear(64, 600), torch::nn::Linear(600, 64)); };
+  auto source = make();
+  write_safetensors((fs::path(directory) / "model.safetensors").string(), tensor_list_of(*source));
+  const auto expected = testing::named_copies(*source);
+  const auto file_bytes = static_cast<int64_t>(fs::file_size(fs::path(directory) / "model.safetensors"));
+  testing::run_on_ranks(3, [&](const DistributedContext& context) {
+    for (bool rank0_only : {false, true}) {
+      torch::manual_seed(32);
+      auto model = make();
+      fully_shard(model.ptr(), context);
+      PretrainedWeightsOptions options;
+      options.rank0_only = rank0_only;
+      const auto before = bytes_read_by_this_process();
+      load_pretrained_weights(*model, context, directory, options);
+      const auto read = bytes_read_by_this_process() - before;
+      const auto actual = testing::full_parameters(*model);
+      for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
+      if (!rank0_only) {
+        EXPECT_LT(read, file_bytes * 4 / 10)
+            << "rank " << context.rank() << " of 3 read " << read << " of " << file_bytes << " bytes";
+      } else if (context.rank() == 0) {
+        EXPECT_GE(read, file_bytes * 9 / 10) << "rank 0 reads every tensor: " << read << " of " << file_bytes;
+      }
+    }
+  });
+}
+
+// A rank that cannot open the files: an error on every rank, naming that rank and the rank-0 path.
+TEST(PretrainedWeights, ARankThatCannotSeeTheFilesIsAnErrorOnEveryRank) {
+  const auto directory = testing::shared_temporary_directory();
+  auto model_of = [] { return torch::nn::Sequential(torch::nn::Linear(4, 6)); };
+  write_safetensors((fs::path(directory) / "model.safetensors").string(), tensor_list_of(*model_of()));
+  testing::run_on_ranks(2, [&](const DistributedContext& context) {
+    auto model = model_of();
+    fully_shard(model.ptr(), context);
+    const auto message = testing::error_message_of(
+        [&] { load_pretrained_weights(*model, context, context.rank() == 1 ? "/nonexistent/model" : directory); });
+    EXPECT_NE(message.find("rank 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("PretrainedWeightsOptions::rank0_only"), std::string::npos) << message;
+  });
+}
+
 TEST(PretrainedWeights, OnlyRankZeroReadsTheFilesAndEveryRankGetsItsRows) {
   const auto directory = testing::shared_temporary_directory();
   torch::manual_seed(31);
@@ -45,8 +110,10 @@ TEST(PretrainedWeights, OnlyRankZeroReadsTheFilesAndEveryRankGetsItsRows) {
     testing::TinyTransformer model;
     for (auto& layer : model->layers) fully_shard(layer.ptr(), context);
     fully_shard(model.ptr(), context);
-    // Other ranks are given a path that does not exist: they never look at it.
-    load_pretrained_weights(*model, context, context.rank() == 0 ? directory : "/nonexistent/checkpoint");
+    // With rank0_only, other ranks are given a path that does not exist: they never look at it.
+    PretrainedWeightsOptions options;
+    options.rank0_only = true;
+    load_pretrained_weights(*model, context, context.rank() == 0 ? directory : "/nonexistent/checkpoint", options);
     const auto actual = testing::full_parameters(*model);
     for (const auto& [name, tensor] : expected) EXPECT_TRUE(torch::equal(actual.at(name), tensor)) << name;
   });

@@ -55,9 +55,10 @@ void add_options(CLI::App& app, Settings& settings) {
                  "meta device)")
       ->check(known_preset())
       ->capture_default_str();
-  app.add_flag("--meta-init", settings.meta_init,
-               "Build the model on the meta device on every rank; fully_shard initializes one unit at a time, or, with "
-               "--init-from, rank 0 streams the weights one tensor at a time (always on for --preset large)");
+  app.add_flag(
+      "--meta-init", settings.meta_init,
+      "Build the model on the meta device on every rank; fully_shard initializes one unit at a time (always on "
+      "for --preset large, and with --init-from, whose weights fill the shards)");
   app.add_option("--steps", settings.steps, "Optimizer steps")->check(positive_value())->capture_default_str();
   app.add_option("--seed", settings.seed, "Seed of weights, data order and sampling")->capture_default_str();
   app.add_option("--global-batch-size", settings.global_batch_size, "Sequences per optimizer step, all ranks together")
@@ -102,7 +103,10 @@ void add_options(CLI::App& app, Settings& settings) {
       ->check(non_negative_value())
       ->capture_default_str();
   app.add_option("--resume-from", settings.resume_from, "A checkpoint directory, or 'latest' in --output-dir");
-  app.add_option("--init-from", settings.init_from, "A Hugging Face directory (model.safetensors + config.json)");
+  app.add_option("--init-from", settings.init_from,
+                 "A Hugging Face directory (model.safetensors + config.json); every rank reads its own rows of it");
+  app.add_flag("--init-from-rank0", settings.init_from_rank0,
+               "Rank 0 alone reads --init-from and sends one tensor at a time (storage only rank 0 can see)");
   app.add_option("--data", settings.data, "Training text (default: the license texts in /usr/share/common-licenses)");
   app.add_option("--eval-data", settings.eval_data, "Evaluation text (default: the last tenth of the training text)");
   app.add_flag("--eval-only", settings.eval_only,
@@ -141,6 +145,7 @@ std::vector<std::pair<std::string, std::string>> run_fields(const Settings& sett
           {"--total-limit", std::to_string(settings.total_limit)},
           {"--resume-from", settings.resume_from},
           {"--init-from", settings.init_from},
+          {"--init-from-rank0", settings.init_from_rank0 ? "true" : "false"},
           {"--meta-init", settings.meta_init ? "true" : "false"},
           {"--stop-after", std::to_string(settings.stop_after)},
           {"--sample-bytes", std::to_string(settings.sample_bytes)},

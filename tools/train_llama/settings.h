@@ -30,6 +30,8 @@ struct Settings {
   int64_t total_limit = 2;
   std::string resume_from;
   std::string init_from;
+  /// --init-from-rank0: rank 0 reads --init-from and sends each tensor (storage only rank 0 sees).
+  bool init_from_rank0 = false;
   std::string data;
   std::string eval_data;
   bool eval_only = false;

@@ -145,18 +145,15 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
 
   torch::manual_seed(settings.seed);
   // The large shapes never exist whole in one process.
-  const bool meta_init = settings.meta_init || settings.preset == "large" || settings.preset.rfind("llama3-", 0) == 0;
-  auto model = build_model(config, /*from_weights=*/!settings.init_from.empty(), meta_init, context);
+  // With --init-from too: the weights fill the shards after fully_shard, each rank reading its own.
+  const bool stream_weights = !settings.init_from.empty();
+  const bool meta_init =
+      settings.meta_init || stream_weights || settings.preset == "large" || settings.preset.rfind("llama3-", 0) == 0;
+  auto model = build_model(config, /*from_weights=*/false, meta_init, context);
   fsdp::AcceleratorOptions options;
   options.fsdp_plugin = job_plugin();
-  const bool stream_weights = meta_init && !settings.init_from.empty();
-  if (stream_weights) {
-    // The units stay zeros at fully_shard; the checkpoint gives them their values after it.
-    options.fsdp_plugin->param_init_fn = [](torch::nn::Module&) {};
-  } else if (!settings.init_from.empty()) {
-    load_weights_on_rank0(model, settings.init_from, context);
-    options.fsdp_plugin->cpu_ram_efficient_loading = true;
-  }
+  // The units stay zeros at fully_shard; the pretrained weights give them their values after it.
+  if (stream_weights) options.fsdp_plugin->param_init_fn = [](torch::nn::Module&) {};
   options.cpu = true;  // train_llama computes on the CPU (main.cpp)
   options.gradient_accumulation_steps = accumulation;
   options.project_dir = settings.output_dir;
@@ -171,7 +168,7 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
       unique_parameters(*model),
       torch::optim::AdamWOptions(settings.lr).betas({0.9, 0.95}).weight_decay(settings.weight_decay));
   accelerator.prepare(model, optimizer);
-  if (stream_weights) stream_pretrained_weights(model, settings.init_from, context);
+  if (stream_weights) stream_pretrained_weights(model, settings.init_from, settings.init_from_rank0, context);
 
   int64_t start_step = 0;
   double last_eval = std::nan("");

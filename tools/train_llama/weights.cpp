@@ -66,6 +66,27 @@ void on_rank0_or_fail_everywhere(const fsdp::DistributedContext& context, const 
   TORCH_CHECK(failed.item<int64_t>() == 0, context.rank() == 0 ? error : "rank 0 could not load '" + directory + "'");
 }
 
+/// Runs `step` on every rank; every rank learns whether it failed anywhere before the next
+/// collective (its own message, or which ranks failed).
+void on_every_rank_or_fail_everywhere(const fsdp::DistributedContext& context, const std::string& directory,
+                                      const std::function<void()>& step) {
+  std::string error;
+  try {
+    step();
+  } catch (const c10::Error& failure) {
+    error = "[rank " + std::to_string(context.rank()) + "] " + failure.what_without_backtrace();
+  }
+  auto failed = torch::zeros({context.world_size()}, torch::kLong);
+  failed[context.rank()] = error.empty() ? 0 : 1;
+  fsdp::all_reduce(context.world(), failed);
+  if (!error.empty()) TORCH_CHECK(false, error);
+  std::string ranks;
+  for (int64_t rank = 0; rank < context.world_size(); ++rank) {
+    if (failed[rank].item<int64_t>() != 0) ranks += (ranks.empty() ? "" : ", ") + std::to_string(rank);
+  }
+  TORCH_CHECK(ranks.empty(), "rank(s) ", ranks, " could not load '", directory, "' (their errors say why)");
+}
+
 }  // namespace
 
 LlamaForCausalLM build_model(const LlamaConfig& config, bool from_weights, bool meta_init,
@@ -84,14 +105,24 @@ void load_weights_on_rank0(LlamaForCausalLM& model, const std::string& directory
   on_rank0_or_fail_everywhere(context, directory, [&] { load_weights_into(model, directory); });
 }
 
-void stream_pretrained_weights(LlamaForCausalLM& model, const std::string& directory,
+void stream_pretrained_weights(LlamaForCausalLM& model, const std::string& directory, bool rank0_only,
                                const fsdp::DistributedContext& context) {
-  std::unique_ptr<fsdp::SafetensorsCheckpointSource> source;  // rank 0's only
-  on_rank0_or_fail_everywhere(context, directory, [&] {
+  if (rank0_only) {
+    std::unique_ptr<fsdp::SafetensorsCheckpointSource> source;  // rank 0's only
+    on_rank0_or_fail_everywhere(context, directory, [&] {
+      source = std::make_unique<fsdp::SafetensorsCheckpointSource>(directory);
+      check_tensor_count(*source, unique_parameter_count(model), directory);
+    });
+    fsdp::load_model_state_dict_from_rank0(*model, context, source.get());
+    return;
+  }
+  // Every rank opens the files and reads the rows of its own shards; nothing is sent.
+  std::unique_ptr<fsdp::SafetensorsCheckpointSource> source;
+  on_every_rank_or_fail_everywhere(context, directory, [&] {
     source = std::make_unique<fsdp::SafetensorsCheckpointSource>(directory);
     check_tensor_count(*source, unique_parameter_count(model), directory);
   });
-  fsdp::load_model_state_dict_from_rank0(*model, context, source.get());
+  on_every_rank_or_fail_everywhere(context, directory, [&] { fsdp::load_model_state_dict(*model, *source); });
 }
 
 }  // namespace train_llama

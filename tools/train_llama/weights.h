@@ -23,12 +23,13 @@ fsdp::models::LlamaForCausalLM build_model(const fsdp::models::LlamaConfig& conf
 void load_weights_on_rank0(fsdp::models::LlamaForCausalLM& model, const std::string& directory,
                            const fsdp::DistributedContext& context);
 
-/// Fills the sharded model from a Hugging Face directory: rank 0 opens its files and sends one
-/// tensor at a time, every rank keeps its rows (fsdp::load_model_state_dict_from_rank0); rank 0 holds one
-/// full tensor beyond its shards, the other ranks never open the files. Extra tensors in the files
-/// (an untied head for a tied config) are refused as load_weights_on_rank0 refuses them. The files
-/// are opened once.
-void stream_pretrained_weights(fsdp::models::LlamaForCausalLM& model, const std::string& directory,
+/// Fills the sharded model from a Hugging Face directory: every rank opens its files and reads the
+/// rows of its own shards (fsdp::load_pretrained_weights), holding no more than them and the rows
+/// it reads; with `rank0_only`, rank 0 alone opens them and sends one tensor at a time, every rank
+/// keeping its rows (fsdp::load_model_state_dict_from_rank0), rank 0 holding one full tensor beyond
+/// its shards. Extra tensors in the files (an untied head for a tied config) are refused as
+/// load_weights_on_rank0 refuses them. The files are opened once per reading rank.
+void stream_pretrained_weights(fsdp::models::LlamaForCausalLM& model, const std::string& directory, bool rank0_only,
                                const fsdp::DistributedContext& context);
 
 }  // namespace train_llama

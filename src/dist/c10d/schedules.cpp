@@ -266,6 +266,38 @@ Staging staging(at::IntArrayRef sizes, at::ScalarType dtype) {
   return result;
 }
 
+// How a two-level schedule cuts each rank's chunk of `chunk` elements: two_level_direct into
+// two_level_pieces of them (each piece goes on to the next level once it is ready), the ring across
+// machines into one.
+struct TwoLevelCut {
+  int64_t pieces = 1;
+  int64_t piece = 0;
+};
+TwoLevelCut cut_chunks(CollectiveAlgorithm algorithm, int64_t chunk, int64_t element_size) {
+  TwoLevelCut cut;
+  cut.pieces = algorithm == CollectiveAlgorithm::kTwoLevelRing ? 1 : two_level_pieces(chunk, element_size);
+  cut.piece = chunk / cut.pieces;
+  return cut;
+}
+
+// The first stage of a two-level reduction of `rows` (every rank's chunk, in group order):
+// outgoing[l][p][m] is piece p of the chunk of rank (m, l), this rank's contribution; inside[l] is
+// what local rank l sent this one, its own row copied in already.
+struct ReduceStaging {
+  Staging outgoing;
+  Staging inside;
+};
+ReduceStaging stage_reduction(const TwoLevel& place, const TwoLevelCut& cut, const at::Tensor& rows,
+                              at::ScalarType dtype) {
+  ReduceStaging staged;
+  staged.outgoing = staging({place.per_machine, cut.pieces, place.machines, cut.piece}, dtype);
+  staged.outgoing.tensor.copy_(
+      rows.view({place.machines, place.per_machine, cut.pieces, cut.piece}).permute({1, 2, 0, 3}));
+  staged.inside = staging({place.per_machine, cut.pieces, place.machines, cut.piece}, dtype);
+  staged.inside.tensor[place.local].copy_(staged.outgoing.tensor[place.local]);
+  return staged;
+}
+
 }  // namespace
 
 CollectiveAlgorithm algorithm_for(ProcessGroupState& group, CollectiveOperation operation, int64_t bytes) {
@@ -326,8 +358,8 @@ Schedule schedule_all_gather(ProcessGroupState& group, const IssuedCollective& i
   // piece p of the shard of the rank at local index l on machine m.
   const TwoLevel place(members);
   const bool ring = algorithm == CollectiveAlgorithm::kTwoLevelRing;
-  const int64_t pieces = ring ? 1 : two_level_pieces(shard, 1);
-  const int64_t piece = shard / pieces;
+  const auto cut = cut_chunks(algorithm, shard, 1);
+  const int64_t pieces = cut.pieces, piece = cut.piece;
   auto bundles = staging({place.per_machine, pieces, place.machines, piece}, at::kByte);
   auto own = bundles.tensor[place.local];
   own.select(1, place.machine).copy_(input_bytes.view({pieces, piece}));
@@ -435,15 +467,12 @@ Schedule schedule_reduce_scatter(ProcessGroupState& group, const IssuedCollectiv
   // two_level_direct cuts each chunk into `pieces` and sends a piece across machines as soon as its
   // machine sum is ready, so the two levels overlap.
   const TwoLevel place(members);
-  const int64_t machines = place.machines, per_machine = place.per_machine;
+  const int64_t machines = place.machines;
   const bool ring = algorithm == CollectiveAlgorithm::kTwoLevelRing;
-  const int64_t pieces = ring ? 1 : two_level_pieces(chunk, input.element_size());
-  const int64_t piece = chunk / pieces;
-  // [l][p][m]: piece p of the chunk of rank (m, l), this rank's contribution.
-  auto outgoing = staging({per_machine, pieces, machines, piece}, dtype);
-  outgoing.tensor.copy_(input.view({machines, per_machine, pieces, piece}).permute({1, 2, 0, 3}));
-  auto inside = staging({per_machine, pieces, machines, piece}, dtype);  // [l]: what local rank l sent
-  inside.tensor[place.local].copy_(outgoing.tensor[place.local]);
+  const auto cut = cut_chunks(algorithm, chunk, input.element_size());
+  const int64_t pieces = cut.pieces, piece = cut.piece;
+  const auto staged = stage_reduction(place, cut, input, dtype);
+  const auto outgoing = staged.outgoing, inside = staged.inside;
   auto machine_sum = staging({pieces, machines, piece}, dtype);  // [p][m]: this machine's sum for rank (m, l)
   auto across = staging({pieces, machines, piece}, dtype);       // [p][m]: machine m's sum for this rank
   Exchange inside_receives;
@@ -545,15 +574,13 @@ Schedule schedule_all_reduce(ProcessGroupState& group, const IssuedCollective& i
     // machine. two_level_direct cuts each chunk into `pieces`, and each piece goes on to its next
     // stage as soon as it is ready, so the stages of different pieces overlap.
     const TwoLevel place(members);
-    const int64_t machines = place.machines, per_machine = place.per_machine;
+    const int64_t machines = place.machines;
     const bool ring = algorithm == CollectiveAlgorithm::kTwoLevelRing;
-    const int64_t pieces = ring ? 1 : two_level_pieces(chunk, tensor.element_size());
-    const int64_t piece = chunk / pieces;
-    // [l][p][m]: piece p of rank (m, l)'s chunk; reused for the reduced pieces gathered at the end.
-    auto outgoing = staging({per_machine, pieces, machines, piece}, dtype);
-    outgoing.tensor.copy_(rows.view({machines, per_machine, pieces, piece}).permute({1, 2, 0, 3}));
-    auto inside = staging({per_machine, pieces, machines, piece}, dtype);
-    inside.tensor[place.local].copy_(outgoing.tensor[place.local]);
+    const auto cut = cut_chunks(algorithm, chunk, tensor.element_size());
+    const int64_t pieces = cut.pieces, piece = cut.piece;
+    // outgoing is reused for the reduced pieces gathered at the end.
+    const auto staged = stage_reduction(place, cut, rows, dtype);
+    const auto outgoing = staged.outgoing, inside = staged.inside;
     auto machine_sum = staging({pieces, machines, piece}, dtype);
     auto across_received = staging({pieces, ring ? machines - 1 : machines, piece}, dtype);
     blocks = {outgoing, inside, machine_sum, across_received};
@@ -632,7 +659,7 @@ Schedule schedule_all_reduce(ProcessGroupState& group, const IssuedCollective& i
           return later;
         });
     const auto gathered = outgoing.tensor;
-    schedule.finish = [rows, gathered, machines, per_machine, pieces] {
+    schedule.finish = [rows, gathered, machines, per_machine = place.per_machine, pieces] {
       rows.view({machines, per_machine, pieces, -1}).copy_(gathered.permute({2, 0, 1, 3}));
     };
   }
