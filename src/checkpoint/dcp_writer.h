@@ -50,9 +50,10 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
 /// write_dcp_directory in its three parts, for a save whose files are written on another thread
 /// (Note [asynchronous checkpoints], src/checkpoint/async_checkpoint.cpp): prepare (collective:
 /// creates the directory and removes an earlier checkpoint's metadata there), this rank's file
-/// (local, no collective: returns its report, "ERROR:<message>" when it failed), and finish
-/// (collective: every rank's report reaches rank 0, which writes `.metadata`; a rank's failure is
-/// raised on every rank). `tensors` need only their shapes and dtypes in finish.
+/// (local, no collective: writes it and its metadata piece, and returns its report,
+/// "ERROR:<message>" when it failed), and finish
+/// (collective: rank 0 joins the ranks' metadata pieces into `.metadata`, Note [metadata pieces];
+/// a rank's failure is raised on every rank). `tensors` need only their shapes and dtypes in finish.
 void prepare_dcp_directory(const std::string& directory, const DistributedContext& context);
 std::string write_dcp_rank_file(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
                                 const std::vector<DcpByteEntry>& byte_items, int64_t rank, int64_t world_size,

@@ -4,13 +4,19 @@
 // AdamW state bitwise; dcp_to_torch_save converts both directories (tests/python/dcp_load_ours.py).
 // From3To2 saves asynchronously (AsyncCheckpointer) and trains a step while the files are written:
 // they hold the state of the save, and the directory counts only after finish.
+#include "checkpoint/dcp_writer.h"
+
 #include <fsdp/fsdp.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <filesystem>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
 
 #include "checkpoint/dcp_metadata.h"
+#include "harness/error_message.h"
 #include "harness/multi_rank.h"
 #include "harness/python_peer.h"
 #include "harness/test_models.h"
@@ -100,6 +106,53 @@ INSTANTIATE_TEST_SUITE_P(Ranks, DcpWrittenByUs, ::testing::Values(std::make_pair
                          [](const ::testing::TestParamInfo<std::pair<int, int>>& info) {
                            return "From" + std::to_string(info.param.first) + "To" + std::to_string(info.param.second);
                          });
+
+}  // namespace
+}  // namespace fsdp
+
+namespace fsdp {
+namespace {
+
+// Note [metadata pieces]: each rank writes its piece of the metadata beside its file, rank 0 writes
+// `.metadata` from them and removes them. A piece missing or left by another save is a named error
+// on every rank, and no `.metadata` is written.
+TEST(DcpMetadataPieces, APieceMissingOrFromAnotherSaveIsANamedErrorOnEveryRank) {
+  const auto root = testing::shared_temporary_directory();
+  testing::run_on_ranks(2, [root](const DistributedContext& context) {
+    ShardedTensorList state;
+    const auto weight = torch::arange(35, torch::kFloat).reshape({7, 5});
+    const int64_t first = context.rank() == 0 ? 0 : 4, rows = context.rank() == 0 ? 4 : 3;
+    state.push_back({"w", ShardedTensor{weight.narrow(0, first, rows).clone(), {7, 5}, first, false, false}});
+    const auto entries = detail::model_dcp_entries(state);
+    auto save = [&](const std::string& directory, const std::function<void(const std::string&)>& damage) {
+      detail::prepare_dcp_directory(directory, context);
+      const auto report = detail::write_dcp_rank_file(directory, entries, {}, context.rank(), 2, "save-A");
+      barrier(context.world());
+      if (context.rank() == 0) damage((fs::path(directory) / ".metadata.pieces" / "1.json").string());
+      barrier(context.world());
+      return testing::error_message_of(
+          [&] { detail::finish_dcp_directory(directory, entries, {}, context, "save-A", report); });
+    };
+    auto message = save(root + "/good", [](const std::string&) {});
+    EXPECT_EQ(message, "");
+    EXPECT_TRUE(fs::exists(root + "/good/.metadata"));
+    EXPECT_FALSE(fs::exists(root + "/good/.metadata.pieces")) << "the pieces are removed once .metadata is written";
+    message = save(root + "/missing", [](const std::string& piece) { fs::remove(piece); });
+    EXPECT_NE(message.find("the metadata piece of rank 1"), std::string::npos) << message;
+    EXPECT_NE(message.find("is missing"), std::string::npos) << message;
+    EXPECT_FALSE(fs::exists(root + "/missing/.metadata"));
+    message = save(root + "/other", [](const std::string& piece) {
+      std::ifstream in(piece);
+      auto text = nlohmann::json::parse(in);
+      text["save_id"] = "save-B";
+      std::ofstream(piece) << text.dump();
+    });
+    EXPECT_NE(message.find("belongs to save 'save-B' (rank 1 of 2), not to this one ('save-A', rank 1 of 2)"),
+              std::string::npos)
+        << message;
+    EXPECT_FALSE(fs::exists(root + "/other/.metadata"));
+  });
+}
 
 }  // namespace
 }  // namespace fsdp
