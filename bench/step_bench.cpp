@@ -549,14 +549,55 @@ int main(int argc, char** argv) {
         std::filesystem::remove_all(copy);
       }
       fsdp::barrier(context.world());
+      // What this rank sent for the save's and the load's coordination (the control channel and the
+      // world's collectives), how many collectives it issued, and the CPU seconds its process spent
+      // (every thread: on this oversubscribed machine wall time grows with N whatever the work).
+      // Rank 0 also reads the loopback's counter, which torch_peer.py reads the same way for DCP.
+      struct Sent {
+        int64_t bytes = 0, messages = 0, collectives = 0;
+        double cpu_s = 0;
+        int64_t loopback = -1;
+      };
+      auto cpu_seconds = [] {
+        rusage now{};
+        getrusage(RUSAGE_SELF, &now);
+        return now.ru_utime.tv_sec + now.ru_stime.tv_sec + (now.ru_utime.tv_usec + now.ru_stime.tv_usec) / 1e6;
+      };
+      auto counted = [&](const std::function<void()>& work) {
+        const auto control = context.control().bytes_sent(), data = context.world().bytes_sent();
+        const int64_t loopback = context.rank() == 0 ? loopback_bytes() : -1;
+        context.control().start_trace();
+        context.world().start_trace();
+        const double cpu = cpu_seconds();
+        work();
+        Sent sent;
+        sent.cpu_s = cpu_seconds() - cpu;
+        sent.collectives =
+            static_cast<int64_t>(context.world().stop_trace().size() + context.control().stop_trace().size());
+        const auto control_after = context.control().bytes_sent(), data_after = context.world().bytes_sent();
+        sent.bytes = control_after.total() + data_after.total() - control.total() - data.total();
+        sent.messages = control_after.messages + data_after.messages - control.messages - data.messages;
+        fsdp::barrier(context.world());  // every rank's part on the loopback, as the peer's barrier
+        if (loopback >= 0) sent.loopback = loopback_bytes() - loopback;
+        return sent;
+      };
+      Sent save_sent, load_sent;
       const auto save = timed([&] {
         fsdp::TrainingProgress progress;
         progress.step = steps + 2;
-        fsdp::save_checkpoint(checkpoint_dir, *model, optimizer, context, progress);
+        save_sent = counted([&] { fsdp::save_checkpoint(checkpoint_dir, *model, optimizer, context, progress); });
       });
       bool cold = context.rank() == 0 && evict_from_page_cache(checkpoint_dir);
       fsdp::barrier(context.world());
-      const auto load = timed([&] { fsdp::load_checkpoint(checkpoint_dir, *model, optimizer, context); });
+      const auto load = timed(
+          [&] { load_sent = counted([&] { fsdp::load_checkpoint(checkpoint_dir, *model, optimizer, context); }); });
+      auto each = [&](const Sent& sent) {
+        return "\"sent_bytes\": " + per_rank(static_cast<double>(sent.bytes)) +
+               ", \"sent_messages\": " + per_rank(static_cast<double>(sent.messages)) +
+               ", \"collectives\": " + per_rank(static_cast<double>(sent.collectives)) +
+               ", \"cpu_s\": " + per_rank(sent.cpu_s) + ", \"loopback_bytes\": " + std::to_string(sent.loopback);
+      };
+      const std::string save_counts = each(save_sent), load_counts = each(load_sent);
       if (context.rank() == 0) {
         const int64_t bytes = directory_bytes(checkpoint_dir);
         const double cp = seconds_of([&] {
@@ -574,10 +615,10 @@ int main(int argc, char** argv) {
             "{\"benchmark\": \"checkpoint\", \"peer\": \"fsdp.cpp\", \"world_size\": %lld, \"parameters\": %lld, "
             "\"bytes\": %lld, \"save_s\": %.3f, \"load_s\": %.3f, \"cp_sync_s\": %.3f, \"read_s\": %.3f, "
             "\"page_cache\": \"%s\", \"save_peak_rss_delta_mb\": %s, \"load_peak_rss_delta_mb\": %s, "
-            "\"losses\": [",
+            "\"save\": {%s}, \"load\": {%s}, \"losses\": [",
             static_cast<long long>(world), static_cast<long long>(parameters), static_cast<long long>(bytes),
             save.seconds, load.seconds, cp, read, cold ? "cold" : "warm", save.peak_rss_delta_mb.c_str(),
-            load.peak_rss_delta_mb.c_str());
+            load.peak_rss_delta_mb.c_str(), save_counts.c_str(), load_counts.c_str());
         for (size_t index = 0; index < losses.size(); ++index) std::printf("%s%.6f", index ? ", " : "", losses[index]);
         std::printf("]}\n");
       }

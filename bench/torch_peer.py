@@ -110,6 +110,57 @@ class Llama(torch.nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class Coordination:
+    """What one rank's part of a dcp.save or dcp.load costs in coordination, as step_bench counts its
+    own: the collectives it calls (torch.distributed's functions, each counted once where one calls
+    another: gather_object's own all_gather of sizes is part of it), the CPU seconds of the process
+    (every thread), and on rank 0 what the loopback carried for every rank (read after a barrier)."""
+
+    NAMES = ("all_gather_object", "gather_object", "scatter_object_list", "broadcast_object_list", "barrier",
+             "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter", "reduce_scatter_tensor",
+             "broadcast", "gather", "scatter", "all_to_all", "all_to_all_single", "send", "recv")
+
+    def __init__(self, rank):
+        self.rank, self.collectives, self.depth, self.saved = rank, 0, 0, []
+
+    def _counting(self, function):
+        def counted(*args, **kwargs):
+            self.collectives += self.depth == 0
+            self.depth += 1
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.depth -= 1
+        return counted
+
+    def __enter__(self):
+        import torch.distributed.distributed_c10d as c10d
+        for module in (dist, c10d):
+            for name in self.NAMES:
+                if hasattr(module, name):
+                    self.saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, self._counting(getattr(module, name)))
+        self.loopback = interface_bytes() if self.rank == 0 else -1
+        self.cpu = time.process_time()
+        return self
+
+    def __exit__(self, *error):
+        self.cpu = time.process_time() - self.cpu
+        for module, name, function in reversed(self.saved):
+            setattr(module, name, function)
+        dist.barrier()  # every rank's part on the loopback
+        if self.loopback >= 0:
+            self.loopback = interface_bytes() - self.loopback
+        return False
+
+    def gathered(self, world):
+        """Every rank's counts on every rank (after the counted part: these bytes are not in it)."""
+        rows = torch.zeros(world, 2, dtype=torch.float64)
+        rows[self.rank] = torch.tensor([self.collectives, self.cpu], dtype=torch.float64)
+        dist.all_reduce(rows)
+        return {"collectives": rows[:, 0].tolist(), "cpu_s": rows[:, 1].tolist(), "loopback_bytes": self.loopback}
+
+
 def checkpoint(model, optimizer, directory, world, rank, parameters):
     """dcp.save of model and optimizer (FileSystemWriter fsyncs its files), then dcp.load of them
     into the same model and optimizer with the files evicted from the page cache."""
@@ -121,8 +172,9 @@ def checkpoint(model, optimizer, directory, world, rank, parameters):
         shutil.rmtree(directory, ignore_errors=True)
     dist.barrier()
     start = time.perf_counter()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory)
+    with Coordination(rank) as save_counts:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        dcp.save({"model": model_state, "optim": optimizer_state}, checkpoint_id=directory)
     dist.barrier()
     save = time.perf_counter() - start
     # The files out of the page cache, as step_bench evicts its own (posix_fadvise after fsync).
@@ -140,17 +192,20 @@ def checkpoint(model, optimizer, directory, world, rank, parameters):
                     os.close(fd)
     dist.barrier()
     start = time.perf_counter()
-    model_state, optimizer_state = get_state_dict(model, optimizer)
-    state = {"model": model_state, "optim": optimizer_state}
-    dcp.load(state, checkpoint_id=directory)
-    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    with Coordination(rank) as load_counts:
+        model_state, optimizer_state = get_state_dict(model, optimizer)
+        state = {"model": model_state, "optim": optimizer_state}
+        dcp.load(state, checkpoint_id=directory)
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
     dist.barrier()
     load = time.perf_counter() - start
+    save_counts, load_counts = save_counts.gathered(world), load_counts.gathered(world)
     if rank == 0:
         size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(directory) for name in names)
         print(json.dumps({"benchmark": "checkpoint", "peer": "pytorch-dcp", "world_size": world,
                           "parameters": parameters, "bytes": size, "save_s": round(save, 3),
-                          "load_s": round(load, 3), "page_cache": "cold" if cold else "warm"}))
+                          "load_s": round(load, 3), "page_cache": "cold" if cold else "warm",
+                          "save": save_counts, "load": load_counts}))
         shutil.rmtree(directory, ignore_errors=True)
     dist.barrier()
 

@@ -101,14 +101,23 @@ CollectiveWork nccl_work(ProcessGroupState& group, IssuedCollective issued, c10:
   return CollectiveWork(state);
 }
 
-// A schedule's first messages are posted when it is made: a closed connection fails there, and the
-// peers that wait for this rank hear of it (Note [Collective check]).
+// A collective's error names it, as a failed wait does, unless it already did (a connection that
+// closed names only the peer), and the peers that wait for this rank hear of it (Note [Collective
+// check]). Called inside a catch block: it may rethrow the error being handled.
+[[noreturn]] void report_failure(CollectiveWorkState& state, const std::exception& error) {
+  const auto* torch_error = dynamic_cast<const c10::Error*>(&error);
+  const std::string message = torch_error ? torch_error->what_without_backtrace() : error.what();
+  detail::publish_failure(state.transport, state.issued, message);
+  if (message.find(state.issued.description) != std::string::npos) throw;
+  TORCH_CHECK(false, state.issued.description, " failed: ", message);
+}
+
+// A schedule's first messages are posted when it is made: a closed connection fails there.
 void schedule_or_report(CollectiveWorkState& state, const std::function<detail::Schedule()>& make) {
   try {
     state.schedule = make();
   } catch (const std::exception& error) {
-    detail::publish_failure(state.transport, state.issued, error.what());
-    throw;
+    report_failure(state, error);
   }
 }
 
@@ -218,8 +227,7 @@ void CollectiveWork::wait() {
     // Transfers of a failed collective may still read or write its buffers: its works stay alive.
     detail::abandon(schedule.posted.works);
     detail::abandon(state.nccl_works);
-    detail::publish_failure(state.transport, state.issued, error.what());
-    throw;
+    report_failure(state, error);
   }
   if (schedule.finish) {
     schedule.finish();
