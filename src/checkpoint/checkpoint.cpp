@@ -360,8 +360,9 @@ std::string complete_checkpoints_beside(const std::string& directory) {
 
 namespace {
 
-// What every save does before its files: the directory stops counting as a checkpoint, every rank
-// agrees on it and it exists. Returns the save's id, rank 0's (Note [save identity]).
+// What every save does before its files: the directory stops counting as a checkpoint, and every
+// rank agrees on the call. Returns the save's id, rank 0's (Note [save identity]). Two collectives;
+// the caller creates the directory.
 std::string begin_save(const std::string& directory, const DistributedContext& context) {
   const bool main = context.rank() == 0;
   // An overwritten directory counts as incomplete until this save has finished everywhere: neither
@@ -370,28 +371,23 @@ std::string begin_save(const std::string& directory, const DistributedContext& c
   if (main && fs::exists(path_in(directory, kMarker))) fs::remove(path_in(directory, kMarker));
   if (main && random_states_from_accelerate(directory)) fs::remove(path_in(directory, random_states_file(0)));
   detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "')");
-  on_every_rank(context, [&] { fs::create_directories(directory); });
   // Note [save identity]: rank 0 chooses the id, and every rank's files record it.
-  return detail::broadcast_string(context, main ? detail::new_save_id() : std::string(), 0);
+  return detail::share_save_id(context);
 }
 
-// The marker, written only once every rank has written everything.
+// Rank 0 writes the marker; called once every rank has written everything.
 void write_marker(const std::string& directory, const DistributedContext& context, StateDictType type, int64_t step,
                   const std::string& save_id, const nlohmann::json& entries, const std::string& model_file) {
-  detail::agree_on_operation(context, "save_checkpoint('" + canonical(directory) + "') finished");
+  if (context.rank() != 0) return;
   nlohmann::json marker;
-  if (context.rank() == 0) {
-    marker["state_dict_type"] = to_string(type);
-    marker["world_size"] = context.world_size();
-    marker["step"] = step;
-    marker["fsdp_cpp_version"] = version();
-    marker["save_id"] = save_id;
-    if (!entries.empty()) marker["entries"] = entries;
-    if (!model_file.empty()) marker["model_file"] = model_file;
-  }
-  on_every_rank(context, [&] {
-    if (context.rank() == 0) detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
-  });
+  marker["state_dict_type"] = to_string(type);
+  marker["world_size"] = context.world_size();
+  marker["step"] = step;
+  marker["fsdp_cpp_version"] = version();
+  marker["save_id"] = save_id;
+  if (!entries.empty()) marker["entries"] = entries;
+  if (!model_file.empty()) marker["model_file"] = model_file;
+  detail::write_file_atomically(path_in(directory, kMarker), marker.dump(1));
 }
 
 }  // namespace
@@ -403,14 +399,21 @@ ShardedSave begin_sharded_save(const std::string& directory, torch::nn::Module& 
                                const TrainingProgress& progress) {
   ShardedSave save;
   save.directory = directory;
+  // Note [metadata pieces]: the save's first three collectives of five.
   save.save_id = begin_save(directory, context);
   save.step = progress.step;
   save.model = model_dcp_entries(sharded_model_state_dict_views(model));
   optimizer_dcp_entries(sharded_optimizer_state_dict_views(model, optimizer), save.optimizer, save.optimizer_bytes);
-  prepare_dcp_directory(path_in(directory, kShardedModel), context);
-  prepare_dcp_directory(path_in(directory, kShardedOptimizer), context);
-  // The generator as it is now, when the state is taken, and the progress (a few bytes: written here).
-  on_every_rank(context, [&] { save_progress(directory, context, progress, save.save_id); });
+  // One step: rank 0 clears what an earlier checkpoint left in the DCP directories while every rank
+  // creates them (rank 0 too, after clearing: no rank writes there before the step's end), and the
+  // generator as it is now, when the state is taken, and the progress (a few bytes: written here).
+  on_every_rank(context, [&] {
+    for (const auto* name : {kShardedModel, kShardedOptimizer}) {
+      if (context.rank() == 0) clear_dcp_directory(path_in(directory, name));
+      create_dcp_directory(path_in(directory, name));
+    }
+    save_progress(directory, context, progress, save.save_id);
+  });
   return save;
 }
 
@@ -422,13 +425,22 @@ std::array<std::string, 2> write_sharded_save_files(const ShardedSave& save, int
 
 void finish_sharded_save(const ShardedSave& save, const std::array<std::string, 2>& reports,
                          const DistributedContext& context) {
-  finish_dcp_directory(path_in(save.directory, kShardedModel), save.model, {}, context, save.save_id, reports[0]);
-  finish_dcp_directory(path_in(save.directory, kShardedOptimizer), save.optimizer, save.optimizer_bytes, context,
-                       save.save_id, reports[1]);
+  // Note [metadata pieces]: the last two collectives: every rank's files are written, then rank 0
+  // joins both directories' pieces and writes the marker.
+  const auto model_directory = path_in(save.directory, kShardedModel);
+  const auto optimizer_directory = path_in(save.directory, kShardedOptimizer);
+  auto error = dcp_write_error(model_directory, context.rank(), reports[0]);
+  if (error.empty()) error = dcp_write_error(optimizer_directory, context.rank(), reports[1]);
+  raise_if_any_rank_failed(context, error);
   nlohmann::json entries = nlohmann::json::object();
   entries[kShardedModel] = save.model.size();
   entries[kShardedOptimizer] = save.optimizer.size() + save.optimizer_bytes.size();
-  write_marker(save.directory, context, StateDictType::kShardedStateDict, save.step, save.save_id, entries, "");
+  on_every_rank(context, [&] {
+    if (context.rank() != 0) return;
+    write_dcp_metadata(model_directory, save.model, {}, context.world_size(), save.save_id);
+    write_dcp_metadata(optimizer_directory, save.optimizer, save.optimizer_bytes, context.world_size(), save.save_id);
+    write_marker(save.directory, context, StateDictType::kShardedStateDict, save.step, save.save_id, entries, "");
+  });
 }
 
 }  // namespace detail
@@ -445,6 +457,7 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
   }
   const bool main = context.rank() == 0;
   const std::string save_id = begin_save(directory, context);
+  on_every_rank(context, [&] { fs::create_directories(directory); });
   std::string model_file;
   nlohmann::json entries = nlohmann::json::object();
   if (options.state_dict_type == StateDictType::kFullStateDict) {
@@ -471,7 +484,9 @@ void save_checkpoint(const std::string& directory, torch::nn::Module& model, tor
                                 detail::sharded_optimizer_state_dict_views(model, optimizer), context, save_id);
   }
   on_every_rank(context, [&] { save_progress(directory, context, progress, save_id); });
-  write_marker(directory, context, options.state_dict_type, progress.step, save_id, entries, model_file);
+  on_every_rank(context, [&] {
+    write_marker(directory, context, options.state_dict_type, progress.step, save_id, entries, model_file);
+  });
 }
 
 TrainingProgress load_checkpoint(const std::string& directory, torch::nn::Module& model,

@@ -35,7 +35,11 @@ namespace fs = std::filesystem;
 // name), writes `.metadata` in PyTorch's format and removes the pieces. PyTorch's dcp.load reads
 // the same `.metadata` as before. At 1000 ranks rank 0 reads 1000 small files where it used to
 // receive, and every other rank receive, every rank's items (an all-gather: N times the items per
-// rank).
+// rank). A SHARDED checkpoint (checkpoint.cpp) runs these steps inside its own five collectives,
+// the same whatever N: the agreement on the call, the save's id, one step that clears (rank 0) and
+// creates the directories and writes the progress files, the one
+// all-reduce of both directories' errors, and rank 0's join of both `.metadata` with the marker
+// after them, whose error every rank raises.
 constexpr const char* kMetadataPieces = ".metadata.pieces";
 
 std::string metadata_piece_path(const std::string& directory, int64_t rank) {
@@ -191,17 +195,23 @@ std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state) {
   return entries;
 }
 
-void prepare_dcp_directory(const std::string& directory, const DistributedContext& context) {
+void clear_dcp_directory(const std::string& directory) {
   // An earlier checkpoint here stops being one before any of its files is replaced; the pieces an
   // unfinished save left go too (rank 0 would refuse them by their save id anyway).
+  fs::remove(fs::path(directory) / ".metadata");
+  fs::remove(fs::path(directory) / kShardedMetadataFile);
+  fs::remove_all(fs::path(directory) / kMetadataPieces);
+}
+
+void create_dcp_directory(const std::string& directory) {
+  fs::create_directories(fs::path(directory) / kMetadataPieces);
+}
+
+void prepare_dcp_directory(const std::string& directory, const DistributedContext& context) {
   run_on_every_rank(context, [&] {
-    if (context.rank() == 0) {
-      fs::remove(fs::path(directory) / ".metadata");
-      fs::remove(fs::path(directory) / kShardedMetadataFile);
-      fs::remove_all(fs::path(directory) / kMetadataPieces);
-    }
+    if (context.rank() == 0) clear_dcp_directory(directory);
   });
-  run_on_every_rank(context, [&] { fs::create_directories(fs::path(directory) / kMetadataPieces); });
+  run_on_every_rank(context, [&] { create_dcp_directory(directory); });
 }
 
 std::string write_dcp_rank_file(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
@@ -270,141 +280,146 @@ std::string write_dcp_rank_file(const std::string& directory, const std::vector<
   return report;
 }
 
+std::string dcp_write_error(const std::string& directory, int64_t rank, const std::string& report) {
+  if (report.rfind("ERROR:", 0) != 0) return {};
+  return "writing DCP checkpoint '" + directory + "': rank " + std::to_string(rank) + " failed: " + report.substr(6);
+}
+
 void finish_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
                           const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
                           const std::string& save_id, const std::string& report) {
-  const int64_t rank = context.rank();
-  const auto metadata_path = (fs::path(directory) / ".metadata").string();
   // Note [metadata pieces]: one all-reduce of the longest error whatever N; rank 0 then reads the
   // pieces every rank wrote beside its file, so the metadata never describes a file that does not
   // exist yet, and no rank's items travel over the network.
-  raise_if_any_rank_failed(context, report.rfind("ERROR:", 0) == 0
-                                        ? "writing DCP checkpoint '" + directory + "': rank " + std::to_string(rank) +
-                                              " failed: " + report.substr(6)
-                                        : std::string());
+  raise_if_any_rank_failed(context, dcp_write_error(directory, context.rank(), report));
   run_on_every_rank(context, [&] {
-    if (rank != 0) return;
-    std::map<std::string, std::vector<WrittenItem>> chunks;  // key -> chunks in rank order
-    for (int64_t other = 0; other < context.world_size(); ++other) {
-      for (const auto& value : read_metadata_piece(directory, other, context.world_size(), save_id)) {
-        auto item = from_json(value);
-        chunks[item.key].push_back(std::move(item));
-      }
-    }
-    MetadataPickle pickle;
-    auto& out = pickle.out();
-    pickle.begin_dataclass(kMetadataModule, "Metadata");
-    out.string("state_dict_metadata");
-    out.empty_dict();
-    out.mark();
-    for (const auto& entry : byte_items) {
-      out.string(dcp_flat_key(entry.path));
-      out.global(kMetadataModule, "BytesStorageMetadata");
-      out.empty_tuple();
-      out.new_object();
-      out.empty_dict();
-      out.build();
-    }
-    for (const auto& entry : tensors) {
-      const auto key = dcp_flat_key(entry.path);
-      const auto found = chunks.find(key);
-      TORCH_INTERNAL_ASSERT(found != chunks.end(), "DCP writer: no rank wrote tensor '", key, "'");
-      out.string(key);
-      pickle.begin_dataclass(kMetadataModule, "TensorStorageMetadata");
-      out.string("properties");
-      pickle.tensor_properties(entry.tensor.local.scalar_type());
-      out.string("size");
-      pickle.size(entry.tensor.global_shape);
-      out.string("chunks");
-      out.empty_list();
-      out.mark();
-      for (const auto& chunk : found->second) {
-        pickle.begin_dataclass(kMetadataModule, "ChunkStorageMetadata");
-        out.string("offsets");
-        pickle.size(chunk.offsets);
-        out.string("sizes");
-        pickle.size(chunk.sizes);
-        pickle.end_dataclass();
-      }
-      out.appends_from_mark();
-      pickle.end_dataclass();
-    }
-    out.set_items_from_mark();
-
-    // planner_data: each key's path, so that loaders rebuild the nesting.
-    out.string("planner_data");
-    out.empty_dict();
-    out.mark();
-    auto path_of = [&](const DcpPath& path) {
-      out.mark();
-      for (const auto& element : path) {
-        if (element.index >= 0)
-          out.integer(element.index);
-        else
-          out.string(element.key);
-      }
-      out.tuple_from_mark();
-    };
-    for (const auto& entry : byte_items) {
-      out.string(dcp_flat_key(entry.path));
-      path_of(entry.path);
-    }
-    for (const auto& entry : tensors) {
-      out.string(dcp_flat_key(entry.path));
-      path_of(entry.path);
-    }
-    out.set_items_from_mark();
-
-    out.string("storage_data");
-    out.empty_dict();
-    out.mark();
-    auto storage_of = [&](const WrittenItem& item, int64_t index) {
-      pickle.begin_dataclass(kMetadataModule, "MetadataIndex");
-      out.string("fqn");
-      out.string(item.key);
-      out.string("offset");
-      if (item.is_bytes)
-        out.none();
-      else
-        pickle.size(item.offsets);
-      out.string("index");
-      if (item.is_bytes)
-        out.none();
-      else
-        out.integer(index);
-      pickle.end_dataclass();
-      pickle.begin_dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo");
-      out.string("relative_path");
-      out.string(item.file);
-      out.string("offset");
-      out.integer(item.offset);
-      out.string("length");
-      out.integer(item.length);
-      pickle.end_dataclass();
-    };
-    for (const auto& [key, items] : chunks) {
-      for (size_t index = 0; index < items.size(); ++index) storage_of(items[index], static_cast<int64_t>(index));
-    }
-    out.set_items_from_mark();
-
-    out.string("storage_meta");
-    pickle.begin_dataclass(kMetadataModule, "StorageMeta");
-    out.string("checkpoint_id");
-    out.none();
-    out.string("save_id");
-    out.string(save_id);
-    out.string("load_id");
-    out.none();
-    out.string("modules");
-    out.empty_list();
-    pickle.end_dataclass();
-    out.string("version");
-    out.string(kMetadataVersion);
-    pickle.end_dataclass();
-    write_file_atomically(metadata_path, out.finish());
-    // What PyTorch's loader reads is complete; the pieces are not needed any more.
-    fs::remove_all(fs::path(directory) / kMetadataPieces);
+    if (context.rank() == 0) write_dcp_metadata(directory, tensors, byte_items, context.world_size(), save_id);
   });
+}
+
+void write_dcp_metadata(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                        const std::vector<DcpByteEntry>& byte_items, int64_t world_size, const std::string& save_id) {
+  const auto metadata_path = (fs::path(directory) / ".metadata").string();
+  std::map<std::string, std::vector<WrittenItem>> chunks;  // key -> chunks in rank order
+  for (int64_t other = 0; other < world_size; ++other) {
+    for (const auto& value : read_metadata_piece(directory, other, world_size, save_id)) {
+      auto item = from_json(value);
+      chunks[item.key].push_back(std::move(item));
+    }
+  }
+  MetadataPickle pickle;
+  auto& out = pickle.out();
+  pickle.begin_dataclass(kMetadataModule, "Metadata");
+  out.string("state_dict_metadata");
+  out.empty_dict();
+  out.mark();
+  for (const auto& entry : byte_items) {
+    out.string(dcp_flat_key(entry.path));
+    out.global(kMetadataModule, "BytesStorageMetadata");
+    out.empty_tuple();
+    out.new_object();
+    out.empty_dict();
+    out.build();
+  }
+  for (const auto& entry : tensors) {
+    const auto key = dcp_flat_key(entry.path);
+    const auto found = chunks.find(key);
+    TORCH_INTERNAL_ASSERT(found != chunks.end(), "DCP writer: no rank wrote tensor '", key, "'");
+    out.string(key);
+    pickle.begin_dataclass(kMetadataModule, "TensorStorageMetadata");
+    out.string("properties");
+    pickle.tensor_properties(entry.tensor.local.scalar_type());
+    out.string("size");
+    pickle.size(entry.tensor.global_shape);
+    out.string("chunks");
+    out.empty_list();
+    out.mark();
+    for (const auto& chunk : found->second) {
+      pickle.begin_dataclass(kMetadataModule, "ChunkStorageMetadata");
+      out.string("offsets");
+      pickle.size(chunk.offsets);
+      out.string("sizes");
+      pickle.size(chunk.sizes);
+      pickle.end_dataclass();
+    }
+    out.appends_from_mark();
+    pickle.end_dataclass();
+  }
+  out.set_items_from_mark();
+
+  // planner_data: each key's path, so that loaders rebuild the nesting.
+  out.string("planner_data");
+  out.empty_dict();
+  out.mark();
+  auto path_of = [&](const DcpPath& path) {
+    out.mark();
+    for (const auto& element : path) {
+      if (element.index >= 0)
+        out.integer(element.index);
+      else
+        out.string(element.key);
+    }
+    out.tuple_from_mark();
+  };
+  for (const auto& entry : byte_items) {
+    out.string(dcp_flat_key(entry.path));
+    path_of(entry.path);
+  }
+  for (const auto& entry : tensors) {
+    out.string(dcp_flat_key(entry.path));
+    path_of(entry.path);
+  }
+  out.set_items_from_mark();
+
+  out.string("storage_data");
+  out.empty_dict();
+  out.mark();
+  auto storage_of = [&](const WrittenItem& item, int64_t index) {
+    pickle.begin_dataclass(kMetadataModule, "MetadataIndex");
+    out.string("fqn");
+    out.string(item.key);
+    out.string("offset");
+    if (item.is_bytes)
+      out.none();
+    else
+      pickle.size(item.offsets);
+    out.string("index");
+    if (item.is_bytes)
+      out.none();
+    else
+      out.integer(index);
+    pickle.end_dataclass();
+    pickle.begin_dataclass("torch.distributed.checkpoint.filesystem", "_StorageInfo");
+    out.string("relative_path");
+    out.string(item.file);
+    out.string("offset");
+    out.integer(item.offset);
+    out.string("length");
+    out.integer(item.length);
+    pickle.end_dataclass();
+  };
+  for (const auto& [key, items] : chunks) {
+    for (size_t index = 0; index < items.size(); ++index) storage_of(items[index], static_cast<int64_t>(index));
+  }
+  out.set_items_from_mark();
+
+  out.string("storage_meta");
+  pickle.begin_dataclass(kMetadataModule, "StorageMeta");
+  out.string("checkpoint_id");
+  out.none();
+  out.string("save_id");
+  out.string(save_id);
+  out.string("load_id");
+  out.none();
+  out.string("modules");
+  out.empty_list();
+  pickle.end_dataclass();
+  out.string("version");
+  out.string(kMetadataVersion);
+  pickle.end_dataclass();
+  write_file_atomically(metadata_path, out.finish());
+  // What PyTorch's loader reads is complete; the pieces are not needed any more.
+  fs::remove_all(fs::path(directory) / kMetadataPieces);
 }
 
 void write_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,

@@ -55,12 +55,23 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
 /// (collective: rank 0 joins the ranks' metadata pieces into `.metadata`, Note [metadata pieces];
 /// a rank's failure is raised on every rank). `tensors` need only their shapes and dtypes in finish.
 void prepare_dcp_directory(const std::string& directory, const DistributedContext& context);
+/// prepare's two local halves, for a save that runs them inside its own collectives (a SHARDED
+/// checkpoint, checkpoint.cpp): rank 0 clears the directory (and creates it), every rank creates
+/// it; no rank writes there before every rank has done its part.
+void clear_dcp_directory(const std::string& directory);
+void create_dcp_directory(const std::string& directory);
 std::string write_dcp_rank_file(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
                                 const std::vector<DcpByteEntry>& byte_items, int64_t rank, int64_t world_size,
                                 const std::string& save_id);
 void finish_dcp_directory(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
                           const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
                           const std::string& save_id, const std::string& report);
+/// finish's two local halves: the error a rank's report carries ("" when its file was written), and
+/// rank 0's join of every rank's piece into `.metadata` (a piece missing or from another save is an
+/// error naming it), to run once every rank's report is known to be good.
+std::string dcp_write_error(const std::string& directory, int64_t rank, const std::string& report);
+void write_dcp_metadata(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,
+                        const std::vector<DcpByteEntry>& byte_items, int64_t world_size, const std::string& save_id);
 
 /// {"model": state}: Accelerate's SHARDED model layout.
 std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state);

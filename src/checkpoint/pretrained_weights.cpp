@@ -64,6 +64,21 @@ SafetensorsCheckpointSource::SafetensorsCheckpointSource(const std::string& path
                 "' but that file has no such tensor");
     location_[name] = found->second;
   }
+  // A tensor in two files would load from whichever the index names, silently: a checkpoint holds
+  // each tensor once.
+  for (const auto& [shard_name, index_of_file] : opened) {
+    for (const auto& info : files_[index_of_file]->header().tensors) {
+      const auto mapped = location_.find(info.name);
+      if (mapped == location_.end() || mapped->second == index_of_file) continue;
+      std::string named_in;
+      for (const auto& [other_name, other_index] : opened) {
+        if (other_index == mapped->second) named_in = other_name;
+      }
+      TORCH_CHECK(false, "Hugging Face checkpoint '", path_, "': tensor '", info.name, "' is in both '", named_in,
+                  "' (where index '", file, "' maps it) and '", shard_name,
+                  "'; a checkpoint holds each tensor once: remove it from one of the files");
+    }
+  }
 }
 
 const SafetensorsReader& SafetensorsCheckpointSource::reader_of(const std::string& name) const {

@@ -1,6 +1,8 @@
 #include "checkpoint/save_identity.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <fsdp/collectives.h>
 
 #include <cstdio>
 #include <cstring>
@@ -30,6 +32,17 @@ std::string new_save_id() {
                 static_cast<unsigned long long>((high >> 16) & 0xffff), static_cast<unsigned long long>(high & 0xffff),
                 static_cast<unsigned long long>(low >> 48), static_cast<unsigned long long>(low & 0xffffffffffffULL));
   return text;
+}
+
+std::string share_save_id(const DistributedContext& context) {
+  auto bytes = at::zeros({kSaveIdLength}, at::kByte);
+  if (context.rank() == 0) {
+    const auto id = new_save_id();
+    TORCH_INTERNAL_ASSERT(static_cast<int64_t>(id.size()) == kSaveIdLength, "save id '", id, "'");
+    std::memcpy(bytes.data_ptr(), id.data(), id.size());
+  }
+  broadcast(context.control(), bytes, 0);
+  return std::string(static_cast<const char*>(bytes.data_ptr()), static_cast<size_t>(kSaveIdLength));
 }
 
 std::string identity_footer(const FileIdentity& identity) {

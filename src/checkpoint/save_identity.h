@@ -16,14 +16,21 @@
 // read as PyTorch reads it. One file with a footer makes every file of the directory need one.
 #pragma once
 
+#include <fsdp/process_group.h>
+
 #include <cstdint>
 #include <optional>
 #include <string>
 
 namespace fsdp::detail {
 
-/// A new save's identity: 128 random bits as a UUID-like text.
+/// A new save's identity: 128 random bits as a UUID-like text (kSaveIdLength characters).
 std::string new_save_id();
+constexpr int64_t kSaveIdLength = 36;
+
+/// Collective, one broadcast of kSaveIdLength bytes on the control channel: rank 0's new_save_id()
+/// on every rank.
+std::string share_save_id(const DistributedContext& context);
 
 struct FileIdentity {
   std::string save_id;

@@ -131,6 +131,18 @@ TEST(PretrainedWeights, BrokenIndexesAreNamedErrors) {
   EXPECT_NE(message.find("says 'w' is in 'model-00001-of-00001.safetensors' but that file has no such tensor"),
             std::string::npos)
       << message;
+  // Two files holding the same tensor: the index names one, and the other is not ignored.
+  write_safetensors((fs::path(directory) / "model-00001-of-00002.safetensors").string(), {{"w", torch::ones(2)}});
+  write_safetensors((fs::path(directory) / "model-00002-of-00002.safetensors").string(),
+                    {{"v", torch::ones(2)}, {"w", torch::zeros(2)}});
+  std::ofstream((fs::path(directory) / "model.safetensors.index.json").string())
+      << R"({"weight_map":{"w":"model-00001-of-00002.safetensors","v":"model-00002-of-00002.safetensors"}})";
+  message = testing::error_message_of([&] { SafetensorsCheckpointSource source(directory); });
+  EXPECT_NE(message.find("tensor 'w' is in both 'model-00001-of-00002.safetensors' (where index"), std::string::npos)
+      << message;
+  EXPECT_NE(message.find("and 'model-00002-of-00002.safetensors'; a checkpoint holds each tensor once"),
+            std::string::npos)
+      << message;
   message =
       testing::error_message_of([&] { SafetensorsCheckpointSource source(directory + "/empty_dir_that_is_missing"); });
   EXPECT_NE(message.find("does not exist"), std::string::npos) << message;
