@@ -135,10 +135,17 @@ TEST(DistributedContext, AMachineWhoseRanksArriveLateIsANamedErrorOnEveryRank) {
   testing::run_processes(
       4,
       [](int rank) {
-        if (rank >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(3000));  // machine 1, late
+        // Machine 1, late: well past the timeout, since on a loaded machine rank 0 may start its own
+        // wait a second or more after the others.
+        if (rank >= 2) std::this_thread::sleep_for(std::chrono::milliseconds(5000));
         const auto message = error_message_of([] { DistributedContext::initialize_from_environment(); });
         EXPECT_NE(message.find("rendezvous"), std::string::npos) << message;
-        EXPECT_NE(message.find(rank == 0 ? "for 4 ranks within 2 s" : "within 2 s"), std::string::npos) << message;
+        EXPECT_NE(message.find("within 2 s"), std::string::npos) << message;
+        // Rank 0 names how many ranks it waited for, whether the store's wait or the group's
+        // connections ran out first.
+        if (rank == 0) {
+          EXPECT_NE(message.find(" 4 ranks "), std::string::npos) << message;
+        }
       },
       options);
 }
