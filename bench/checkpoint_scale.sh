@@ -23,7 +23,8 @@ trap 'rm -rf "$work"' EXIT
 row() {  # row <peer label> <command...>: the command's checkpoint line, tagged
   local tag="$1"
   shift
-  "$@" | grep '"benchmark": "checkpoint"' | sed "s/^{/{\"label\": \"$tag\", /" >> "$results"
+  "$@" | grep '"benchmark": "checkpoint"' |
+    sed "s/^{/{\"label\": \"$tag\", \"measured\": \"$(date '+%Y-%m-%d %H:%M')\", /" >> "$results"
 }
 for n in "${world_sizes[@]}"; do
   row "$label" "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/step_bench" --strategy FULL_SHARD \
@@ -39,7 +40,8 @@ import json, platform, re, sys, time
 rows = [json.loads(line) for line in open(sys.argv[1])]
 names = {"before": "fsdp.cpp, before", "now": "fsdp.cpp", "pytorch": "PyTorch DCP"}
 order = {"before": 0, "now": 1, "pytorch": 2}
-lines = [f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.machine()}) with `{sys.argv[3]}`: "
+times = sorted(row.get("measured", time.strftime("%Y-%m-%d %H:%M")) for row in rows)
+lines = [f"Measured {times[0]} to {times[-1][-5:]} on {platform.node()} ({platform.machine()}) with `{sys.argv[3]}`: "
          "a SHARDED save (model and AdamW state) of a small MLP (4 blocks, 66 K parameters) and its load, "
          "fsdp.cpp against PyTorch's dcp.save / dcp.load under FSDP2 (get_state_dict and set_state_dict "
          "included). Collectives and CPU seconds: rank 0, then the most of any other rank; bytes: what "

@@ -6,8 +6,8 @@
 // state into a staging buffer kept between saves; on a thread of this rank's own, the `.distcp`
 // files of that copy, written, fsynced and renamed, with no collective (a group's collectives are issued
 // from one thread: include/fsdp/process_group.h); and later, on the training thread again, collectively,
-// finish: every rank's report reaches rank 0, which writes both `.metadata` files and then the
-// marker. So a checkpoint counts (for latest_checkpoint, resume_after_restart and rotation) only
+// finish: one all-reduce says every rank wrote its files and its metadata pieces, then rank 0 joins
+// both `.metadata` files and writes the marker (Note [metadata pieces]). So a checkpoint counts (for latest_checkpoint, resume_after_restart and rotation) only
 // once every rank's files are durable, and a crash in between leaves the one before as the latest.
 // finish runs when every rank is done (polled with one all-reduce of one flag after each optimizer
 // step, by Accelerator::step or the program), when the next save starts (at most one is in flight:

@@ -399,7 +399,7 @@ ShardedSave begin_sharded_save(const std::string& directory, torch::nn::Module& 
                                const TrainingProgress& progress) {
   ShardedSave save;
   save.directory = directory;
-  // Note [metadata pieces]: the save's first three collectives of five.
+  // Note [metadata pieces]: two collectives here and one in the step below, of the save's five.
   save.save_id = begin_save(directory, context);
   save.step = progress.step;
   save.model = model_dcp_entries(sharded_model_state_dict_views(model));
@@ -430,7 +430,8 @@ void finish_sharded_save(const ShardedSave& save, const std::array<std::string, 
   const auto model_directory = path_in(save.directory, kShardedModel);
   const auto optimizer_directory = path_in(save.directory, kShardedOptimizer);
   auto error = dcp_write_error(model_directory, context.rank(), reports[0]);
-  if (error.empty()) error = dcp_write_error(optimizer_directory, context.rank(), reports[1]);
+  const auto optimizer_error = dcp_write_error(optimizer_directory, context.rank(), reports[1]);
+  error += (error.empty() || optimizer_error.empty() ? "" : "; ") + optimizer_error;
   raise_if_any_rank_failed(context, error);
   nlohmann::json entries = nlohmann::json::object();
   entries[kShardedModel] = save.model.size();

@@ -29,17 +29,18 @@ namespace fs = std::filesystem;
 // A DCP save's `.metadata` lists every rank's chunks. Each rank writes its own piece of it, the
 // items of its .distcp file as JSON with the save's id, its rank and the world size, atomically
 // into `<directory>/.metadata.pieces/<rank>.json` right after its file; the save's only collective
-// before the final agreement is one all-reduce of the longest error (raise_if_any_rank_failed),
-// whatever N, and no rank's items cross the network. Rank 0 then reads the N pieces, checks each
+// between the files and rank 0's join is one all-reduce of the longest error
+// (raise_if_any_rank_failed), whatever N, and no rank's items cross the network. Rank 0 then reads the N pieces, checks each
 // belongs to this save (save id, rank, world size: a piece left by an earlier save is refused by
 // name), writes `.metadata` in PyTorch's format and removes the pieces. PyTorch's dcp.load reads
 // the same `.metadata` as before. At 1000 ranks rank 0 reads 1000 small files where it used to
 // receive, and every other rank receive, every rank's items (an all-gather: N times the items per
-// rank). A SHARDED checkpoint (checkpoint.cpp) runs these steps inside its own five collectives,
-// the same whatever N: the agreement on the call, the save's id, one step that clears (rank 0) and
-// creates the directories and writes the progress files, the one
-// all-reduce of both directories' errors, and rank 0's join of both `.metadata` with the marker
-// after them, whose error every rank raises.
+// rank). A synchronous SHARDED checkpoint (checkpoint.cpp) runs these steps inside its own five
+// collectives, the same whatever N: the agreement on the call, the save's id, one step in which
+// rank 0 clears the directories and every rank creates them and writes its progress files, the one
+// all-reduce of both directories' errors, and one step in which rank 0 joins both `.metadata` and
+// writes the marker after them (its error raised on every rank). The directory must be one file
+// system every rank sees, as PyTorch's DCP needs for loading: rank 0 reads the pieces.
 constexpr const char* kMetadataPieces = ".metadata.pieces";
 
 std::string metadata_piece_path(const std::string& directory, int64_t rank) {
@@ -51,8 +52,9 @@ nlohmann::json read_metadata_piece(const std::string& directory, int64_t rank, i
                                    const std::string& save_id) {
   const auto path = metadata_piece_path(directory, rank);
   TORCH_CHECK(fs::exists(path), "DCP checkpoint '", directory, "': the metadata piece of rank ", rank, " ('", path,
-              "') is missing, although every rank reported its file written. Another save into the same "
-              "directory at once? Save again, to a directory of its own");
+              "') is missing, although every rank reported its file written. The checkpoint directory must be "
+              "one file system every rank sees (a shared file system across machines), and no other save may "
+              "write into it at once; save again, to a directory of its own");
   nlohmann::json piece;
   try {
     piece = nlohmann::json::parse(read_text_file(path, uint64_t{1} << 30, "DCP metadata piece"));
@@ -197,10 +199,17 @@ std::vector<DcpTensorEntry> model_dcp_entries(const ShardedTensorList& state) {
 
 void clear_dcp_directory(const std::string& directory) {
   // An earlier checkpoint here stops being one before any of its files is replaced; the pieces an
-  // unfinished save left go too (rank 0 would refuse them by their save id anyway).
+  // unfinished save left go too (rank 0 would refuse them by their save id anyway). The pieces'
+  // directory itself stays: other ranks may be creating it at this moment, and a directory removed
+  // between their mkdir and its check makes create_directories fail with "File exists".
   fs::remove(fs::path(directory) / ".metadata");
   fs::remove(fs::path(directory) / kShardedMetadataFile);
-  fs::remove_all(fs::path(directory) / kMetadataPieces);
+  const auto pieces = fs::path(directory) / kMetadataPieces;
+  if (!fs::is_directory(pieces)) {
+    fs::remove(pieces);
+    return;
+  }
+  for (const auto& entry : fs::directory_iterator(pieces)) fs::remove_all(entry.path());
 }
 
 void create_dcp_directory(const std::string& directory) {

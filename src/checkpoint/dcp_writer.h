@@ -47,17 +47,16 @@ void write_dcp_directory(const std::string& directory, const std::vector<DcpTens
                          const std::vector<DcpByteEntry>& byte_items, const DistributedContext& context,
                          const std::string& save_id);
 
-/// write_dcp_directory in its three parts, for a save whose files are written on another thread
-/// (Note [asynchronous checkpoints], src/checkpoint/async_checkpoint.cpp): prepare (collective:
-/// creates the directory and removes an earlier checkpoint's metadata there), this rank's file
-/// (local, no collective: writes it and its metadata piece, and returns its report,
-/// "ERROR:<message>" when it failed), and finish
+/// write_dcp_directory in its three parts: prepare (collective: creates the directory and removes
+/// an earlier checkpoint's metadata there), this rank's file (local, no collective: writes it and its
+/// metadata piece, and returns its report, "ERROR:<message>" when it failed; the asynchronous
+/// checkpointer runs it on a thread of its own, Note [asynchronous checkpoints]), and finish
 /// (collective: rank 0 joins the ranks' metadata pieces into `.metadata`, Note [metadata pieces];
 /// a rank's failure is raised on every rank). `tensors` need only their shapes and dtypes in finish.
 void prepare_dcp_directory(const std::string& directory, const DistributedContext& context);
 /// prepare's two local halves, for a save that runs them inside its own collectives (a SHARDED
-/// checkpoint, checkpoint.cpp): rank 0 clears the directory (and creates it), every rank creates
-/// it; no rank writes there before every rank has done its part.
+/// checkpoint, checkpoint.cpp): rank 0 clears the directory while every rank (rank 0 after
+/// clearing) creates it; no rank writes there before every rank has done its part.
 void clear_dcp_directory(const std::string& directory);
 void create_dcp_directory(const std::string& directory);
 std::string write_dcp_rank_file(const std::string& directory, const std::vector<DcpTensorEntry>& tensors,

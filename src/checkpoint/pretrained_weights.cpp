@@ -76,7 +76,7 @@ SafetensorsCheckpointSource::SafetensorsCheckpointSource(const std::string& path
       }
       TORCH_CHECK(false, "Hugging Face checkpoint '", path_, "': tensor '", info.name, "' is in both '", named_in,
                   "' (where index '", file, "' maps it) and '", shard_name,
-                  "'; a checkpoint holds each tensor once: remove it from one of the files");
+                  "'; a checkpoint holds each tensor once: remove it from '", shard_name, "'");
     }
   }
 }

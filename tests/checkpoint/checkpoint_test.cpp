@@ -542,10 +542,18 @@ TEST(Checkpoint, AShardedSaveAndLoadIssueTheSameCollectivesWhateverTheRanks) {
         work();
         return context.world().stop_trace().size() + context.control().stop_trace().size();
       };
-      const auto save = counted([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
-      EXPECT_EQ(save, 5u) << "a save on " << world_size << " ranks";
-      EXPECT_TRUE(is_complete_checkpoint(directory));
-      EXPECT_FALSE(fs::exists(directory + "/pytorch_model_fsdp_0/.metadata.pieces"));
+      // Twice into the same directory: the second clears what the first left while the ranks
+      // create the directories again.
+      for (int time = 0; time < 2; ++time) {
+        const auto save =
+            counted([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
+        EXPECT_EQ(save, 5u) << "a save on " << world_size << " ranks";
+        EXPECT_TRUE(is_complete_checkpoint(directory));
+        for (const auto* name : {"pytorch_model_fsdp_0", "optimizer_0"}) {
+          EXPECT_FALSE(fs::exists(directory + "/" + name + "/.metadata.pieces")) << name;
+        }
+        barrier(context.world());  // the next save's rank 0 removes the marker first
+      }
       const auto load = counted([&] { load_checkpoint(directory, *trainer.model, *trainer.optimizer, context); });
       EXPECT_EQ(load, 3u) << "a load on " << world_size << " ranks";
     });
