@@ -4,18 +4,19 @@
 // training thread, collectively, begin (the directory stops being a checkpoint, the save's id, the
 // progress files with the generator as it is now) and a copy of this rank's shards and optimizer
 // state into a staging buffer kept between saves; on a thread of this rank's own, the `.distcp`
-// files of that copy, written, fsynced and renamed, with no collective (a group's collectives are issued
-// from one thread: include/fsdp/process_group.h); and later, on the training thread again, collectively,
-// finish: one all-reduce says every rank wrote its files and its metadata pieces, then rank 0 joins
-// both `.metadata` files and writes the marker (Note [metadata pieces]). So a checkpoint counts (for latest_checkpoint, resume_after_restart and rotation) only
-// once every rank's files are durable, and a crash in between leaves the one before as the latest.
-// finish runs when every rank is done (polled with one all-reduce of one flag after each optimizer
-// step, by Accelerator::step or the program), when the next save starts (at most one is in flight:
-// that one waits, and Accelerator says so), or when the program asks (before it exits). What
-// training does meanwhile never reaches the files: the thread reads only the staged copy. Entries
-// this rank does not write (another rank's replica, a replicated tensor off rank 0) are not copied.
-// Differs from PyTorch's dcp.async_save, which finishes in the background on a process group of its
-// own: here the metadata waits for the training thread's next poll, one step at most.
+// files of that copy, written, fsynced and renamed, with no collective (a group's collectives are
+// issued from one thread: include/fsdp/process_group.h); and later, on the training thread again,
+// collectively, finish: one all-reduce says every rank wrote its files and its metadata pieces,
+// then rank 0 joins both `.metadata` files and writes the marker (Note [metadata pieces]). So a
+// checkpoint counts (for latest_checkpoint, resume_after_restart and rotation) only once every
+// rank's files are durable, and a crash in between leaves the one before as the latest. finish runs
+// when every rank is done (polled with one all-reduce of one flag after each optimizer step, by
+// Accelerator::step or the program), when the next save starts (at most one is in flight: that one
+// waits, and Accelerator says so), or when the program asks (before it exits). What training does
+// meanwhile never reaches the files: the thread reads only the staged copy. Entries this rank does
+// not write (another rank's replica, a replicated tensor off rank 0) are not copied. Differs from
+// PyTorch's dcp.async_save, which finishes in the background on a process group of its own: here
+// the metadata waits for the training thread's next poll, one step at most.
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fsdp/async_checkpoint.h>

@@ -30,17 +30,18 @@ namespace fs = std::filesystem;
 // items of its .distcp file as JSON with the save's id, its rank and the world size, atomically
 // into `<directory>/.metadata.pieces/<rank>.json` right after its file; the save's only collective
 // between the files and rank 0's join is one all-reduce of the longest error
-// (raise_if_any_rank_failed), whatever N, and no rank's items cross the network. Rank 0 then reads the N pieces, checks each
-// belongs to this save (save id, rank, world size: a piece left by an earlier save is refused by
-// name), writes `.metadata` in PyTorch's format and removes the pieces. PyTorch's dcp.load reads
-// the same `.metadata` as before. At 1000 ranks rank 0 reads 1000 small files where it used to
-// receive, and every other rank receive, every rank's items (an all-gather: N times the items per
-// rank). A synchronous SHARDED checkpoint (checkpoint.cpp) runs these steps inside its own five
-// collectives, the same whatever N: the agreement on the call, the save's id, one step in which
-// rank 0 clears the directories and every rank creates them and writes its progress files, the one
-// all-reduce of both directories' errors, and one step in which rank 0 joins both `.metadata` and
-// writes the marker after them (its error raised on every rank). The directory must be one file
-// system every rank sees, as PyTorch's DCP needs for loading: rank 0 reads the pieces.
+// (raise_if_any_rank_failed), whatever N, and no rank's items cross the network. Rank 0 then reads
+// the N pieces, checks each belongs to this save (save id, rank, world size: a piece left by an
+// earlier save is refused by name), writes `.metadata` in PyTorch's format and removes the pieces.
+// PyTorch's dcp.load reads the same `.metadata` as before. At 1000 ranks rank 0 reads 1000 small
+// files where it used to receive, and every other rank receive, every rank's items (an all-gather:
+// N times the items per rank). A synchronous SHARDED checkpoint (checkpoint.cpp) runs these steps
+// inside its own five collectives, the same whatever N: the agreement on the call, the save's id,
+// one step in which rank 0 clears the directories and every rank creates them and writes its
+// progress files, the one all-reduce of both directories' errors, and one step in which rank 0
+// joins both `.metadata` and writes the marker after them (its error raised on every rank). The
+// directory must be one file system every rank sees, as PyTorch's DCP needs for loading: rank 0
+// reads the pieces.
 constexpr const char* kMetadataPieces = ".metadata.pieces";
 
 std::string metadata_piece_path(const std::string& directory, int64_t rank) {

@@ -545,8 +545,7 @@ TEST(Checkpoint, AShardedSaveAndLoadIssueTheSameCollectivesWhateverTheRanks) {
       // Twice into the same directory: the second clears what the first left while the ranks
       // create the directories again.
       for (int time = 0; time < 2; ++time) {
-        const auto save =
-            counted([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
+        const auto save = counted([&] { save_checkpoint(directory, *trainer.model, *trainer.optimizer, context, {}); });
         EXPECT_EQ(save, 5u) << "a save on " << world_size << " ranks";
         EXPECT_TRUE(is_complete_checkpoint(directory));
         for (const auto* name : {"pytorch_model_fsdp_0", "optimizer_0"}) {
