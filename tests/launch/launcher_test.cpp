@@ -218,7 +218,12 @@ TEST_F(TorchrunSideBySide, RestartsGiveEveryRoundTorchrunsVariables) {
           prefix +
           "$RANK; "
           "if [ $RANK = 1 ] && [ $TORCHELASTIC_RESTART_COUNT -lt " +
-          std::to_string(failing_rounds) + " ]; then exit 3; fi";
+          std::to_string(failing_rounds) +
+          " ]; then "
+          // Rank 1 fails only once rank 0 has written this round's line: a launcher stops rank 0
+          // when rank 1 fails, and how soon it does is not what this test compares.
+          "while [ \"$(cat " +
+          prefix + "0 2>/dev/null | wc -l)\" -le $TORCHELASTIC_RESTART_COUNT ]; do sleep 0.02; done; exit 3; fi";
       detail::ProcessSpec spec;
       spec.argv = launcher == "torchrun" ? std::vector<std::string>{testing::venv_python(),
                                                                     "-m",
