@@ -20,7 +20,9 @@
 // the steps, every rank reading the rows of its own shards, or with `--init-from-rank0 1` rank 0
 // reading and sending one tensor at a time (one JSON line "init_from": the path, time, each rank's
 // peak RSS growth and bytes read from storage). Loads and reads start with the files evicted from
-// the page cache (posix_fadvise), so they come from the disk.
+// the page cache (posix_fadvise), so they come from the disk. `--memory-phases 1` adds the last
+// step's peak RSS in its forward, backward and optimizer step, on every rank (one JSON line
+// "memory_phases"); the "step" line has every rank's peak RSS and its RSS before the model.
 #include <fcntl.h>
 #include <fsdp/fsdp.h>
 #include <fsdp/models/llama.h>
@@ -166,7 +168,7 @@ int main(int argc, char** argv) {
   int64_t steps = 10, width = 512, hidden = 2048, blocks = 8, batch = 64, length = 16, vocab = 8192;
   int64_t heads = 8, kv_heads = 4, untied = 0, meta_init = 0;
   std::string checkpoint_dir, resume_from, init_from;
-  int64_t init_from_rank0 = 0;
+  int64_t init_from_rank0 = 0, memory_phases = 0;
   for (int index = 1; index + 1 < argc; index += 2) {
     const std::string flag = argv[index], value = argv[index + 1];
     if (flag == "--strategy")
@@ -207,6 +209,8 @@ int main(int argc, char** argv) {
       resume_from = value;
     else if (flag == "--init-from")
       init_from = value;
+    else if (flag == "--memory-phases")
+      memory_phases = std::stoll(value);
     else if (flag == "--init-from-rank0")
       init_from_rank0 = std::stoll(value);
     else {
@@ -215,7 +219,7 @@ int main(int argc, char** argv) {
              "[--prefetch on|off] [--steps N] [--width W] [--hidden H] [--blocks B] [--batch GLOBAL] "
              "[--length TOKENS] [--vocab V] [--host-memory default|limit] [--reshard-after-forward K] [--heads H] "
              "[--kv-heads K] [--untied 0|1] [--meta-init 0|1] [--checkpoint DIR] [--resume-from DIR] [--init-from "
-             "HF_DIR] [--init-from-rank0 0|1]\n";
+             "HF_DIR] [--init-from-rank0 0|1] [--memory-phases 0|1]\n";
       return 2;
     }
   }
@@ -233,6 +237,8 @@ int main(int argc, char** argv) {
     // "limit": AcceleratorOptions::limit_retained_host_memory (host_memory.h); "default": malloc as is.
     if (host_memory == "limit") fsdp::limit_retained_host_memory();
     auto context = fsdp::DistributedContext::initialize_from_environment();
+    // libtorch loaded and the groups connected, before the model: what a process costs by itself.
+    const double rss_at_start_mb = status_mb("VmRSS");
     const bool single = strategy == "SINGLE";
     const int64_t world = single ? 1 : context.world_size();
     torch::manual_seed(0);
@@ -433,6 +439,7 @@ int main(int argc, char** argv) {
     int64_t loopback_before = -1;
     const std::string link = link_interface();
     int64_t link_before = -1;
+    std::vector<double> phase_peaks;  // --memory-phases
     for (int64_t step = 0; step < steps + 2; ++step) {
       if (step == 2) {
         bytes_before = bytes_sent();
@@ -444,15 +451,39 @@ int main(int argc, char** argv) {
         if (!link.empty()) link_before = interface_bytes(link);
       }
       const auto start = std::chrono::steady_clock::now();
+      // --memory-phases 1: the last step's peak RSS in forward, backward and the optimizer step.
+      const bool phases = memory_phases != 0 && step + 1 == steps + 2;
+      auto phase_done = [&] {
+        if (!phases) return;
+        phase_peaks.push_back(status_mb("VmHWM"));
+        reset_peak_rss();
+      };
+      if (phases) {
+        phase_peaks.push_back(status_mb("VmHWM"));  // the run's peak so far, which the resets forget
+        reset_peak_rss();
+      }
       auto loss = loss_of(input);
       losses.push_back(loss.item<double>());
+      phase_done();
       loss.backward();
+      phase_done();
       optimizer.step();
+      phase_done();
       if (step + 1 == steps + 2) measure_state();  // microseconds, in one step of which the median is taken
       optimizer.zero_grad();
       if (!single) fsdp::barrier(context.world());
       if (step >= 2) times.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count());
       if (step == 0) first_step_done = std::chrono::steady_clock::now();
+    }
+    if (phase_peaks.size() == 4) {
+      const auto forward = per_rank(phase_peaks[1]), backward = per_rank(phase_peaks[2]),
+                 optimizer_step = per_rank(phase_peaks[3]);
+      if (context.rank() == 0) {
+        std::printf(
+            "{\"benchmark\": \"memory_phases\", \"forward_peak_mb\": %s, \"backward_peak_mb\": %s, "
+            "\"optimizer_step_peak_mb\": %s}\n",
+            forward.c_str(), backward.c_str(), optimizer_step.c_str());
+      }
     }
     const int64_t bytes_per_step = (bytes_sent() - bytes_before) / steps;
     // Per rank, averaged over the ranks of this machine: a ring's ranks send unequal shares off it.
@@ -514,6 +545,12 @@ int main(int argc, char** argv) {
     if (model_kind != "mlp") working_set_peak = -1;
     struct rusage usage{};
     ::getrusage(RUSAGE_SELF, &usage);
+    // Every rank's peak (estimate-memory gives the largest rank's) and its RSS before the model.
+    // --memory-phases resets the kernel's peak (and with it ru_maxrss), so its readings count too.
+    double peak_rss = static_cast<double>(usage.ru_maxrss) / 1024.0;
+    for (const double phase_peak : phase_peaks) peak_rss = std::max(peak_rss, phase_peak);
+    const std::string peak_rss_per_rank = per_rank(peak_rss);
+    const std::string rss_at_start_per_rank = per_rank(rss_at_start_mb);
     if (context.rank() == 0) {
       std::printf(
           "{\"benchmark\": \"step\", \"peer\": \"fsdp.cpp\", \"model\": \"%s\", \"strategy\": \"%s\", "
@@ -525,18 +562,18 @@ int main(int argc, char** argv) {
           "\"peak_rss_mb\": %.1f, \"check_collectives\": %d, \"setup_s\": %.3f, \"start_to_first_step_s\": %.3f, "
           "\"control_bytes\": %lld, \"reshard_after_forward\": %lld, \"link\": \"%s\", \"link_tx_bytes_per_step\": "
           "%lld, "
-          "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld, \"off_machine_bytes_per_step\": %lld}\n",
+          "\"cross_host_theory_per_rank\": %.0f, \"ranks_per_machine\": %lld, \"off_machine_bytes_per_step\": %lld, "
+          "\"peak_rss_mb_per_rank\": %s, \"rss_at_start_mb_per_rank\": %s}\n",
           model_kind.c_str(), strategy.c_str(), prefetch.c_str(), host_memory.c_str(), static_cast<long long>(world),
           static_cast<long long>(parameters), times[times.size() / 2], static_cast<long long>(bytes_per_step), theory,
           static_cast<long long>(loopback_per_step), static_cast<long long>(state_bytes),
           16.0 * parameters / shard_ranks, static_cast<long long>(working_set_peak),
-          static_cast<long long>(two_largest_units), usage.ru_maxrss / 1024.0,
-          context.environment().check_collectives ? 1 : 0,
+          static_cast<long long>(two_largest_units), peak_rss, context.environment().check_collectives ? 1 : 0,
           std::chrono::duration<double>(setup_done - main_started).count(),
           std::chrono::duration<double>(first_step_done - main_started).count(),
           static_cast<long long>(context.control().bytes_sent().total()), static_cast<long long>(reshard_group),
           link.c_str(), static_cast<long long>(link_per_step), cross_host_theory, static_cast<long long>(machine_ranks),
-          static_cast<long long>(off_machine_per_step));
+          static_cast<long long>(off_machine_per_step), peak_rss_per_rank.c_str(), rss_at_start_per_rank.c_str());
     }
     if (!checkpoint_dir.empty()) {
       // SHARDED save of model and AdamW state (fsynced, as every file the library writes), then a

@@ -106,6 +106,12 @@ void write_safetensors_streaming(
     const std::string& path, const std::vector<SafetensorsEntry>& entries, std::map<std::string, std::string> metadata,
     const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer)>& write_data);
 
+/// The order in which write_safetensors_streaming asks for the tensors of `entries` (indices into
+/// it): the file's order, as the safetensors library lays them out (wider dtypes first, then by name).
+/// A writer that produces tensors collectively (every rank gathering the same one) follows it on
+/// the ranks that do not write.
+std::vector<size_t> safetensors_write_order(const std::vector<SafetensorsEntry>& entries);
+
 /// Bytes of a tensor of `dtype` and `shape` (an error for dtypes that do not fill whole bytes).
 int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_t>& shape);
 

@@ -21,6 +21,7 @@
 
 #include "checkpoint/automatic_checkpoints.h"
 #include "checkpoint/hf_shards.h"
+#include "checkpoint/state_dict_views.h"
 #include "config/text.h"
 #include "dist/agreement.h"
 #include "dist/control_channel.h"
@@ -372,11 +373,14 @@ TensorList Accelerator::get_state_dict() {
 }
 
 void Accelerator::save_model(const std::string& directory, int64_t max_shard_size, bool safe_serialization) {
-  auto state = get_state_dict();
-  // Every rank learns whether rank 0 managed to write the model.
-  detail::run_on_every_rank(context_, [&] {
-    if (is_main_process()) detail::save_pretrained_files(directory, state, max_shard_size, safe_serialization);
-  });
+  TORCH_CHECK(model_, "Accelerator::save_model: prepare(model, optimizer) first");
+  // Rank 0 writes while the tensors are gathered, one at a time (Note [a full state dict one tensor
+  // at a time]); every rank learns whether it managed to.
+  detail::FullModelTensors tensors(*model_, StateDictConfig{true, true});
+  const auto error =
+      detail::save_pretrained_files(directory, tensors.entries(), max_shard_size, safe_serialization, is_main_process(),
+                                    [&](size_t index) { return tensors.gather(index); });
+  detail::raise_if_any_rank_failed(context_, error);
 }
 
 std::string Accelerator::save_state(const TrainingProgress& progress, const SaveStateOptions& options) {

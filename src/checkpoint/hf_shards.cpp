@@ -1,13 +1,18 @@
 #include "checkpoint/hf_shards.h"
 
+#include <ATen/ATen.h>
 #include <c10/util/Exception.h>
 #include <fsdp/safetensors.h>
+#include <fsdp/state_dict.h>
 #include <fsdp/torch_file.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <filesystem>
 #include <nlohmann/json.hpp>
+#include <unordered_map>
 
+#include "dist/agreement.h"
 #include "io/atomic_file.h"
 
 namespace fsdp::detail {
@@ -40,37 +45,148 @@ std::string shard_index_json(const std::vector<ShardFile>& files, int64_t total_
   return index.dump(2);
 }
 
-void save_pretrained_files(const std::string& directory, const TensorList& state, int64_t max_shard_size,
-                           bool safe_serialization) {
+namespace {
+
+// One file of a save_pretrained layout and the entries it holds, in the state dict's order.
+struct PretrainedFile {
+  std::string name;
+  std::vector<size_t> entries;
+  bool torch_format = false;
+};
+
+bool is_pretrained_model_file(const std::string& name) {
+  return name == "model.safetensors" || name == "model.safetensors.index.json" || name == "pytorch_model.bin" ||
+         (name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos);
+}
+
+}  // namespace
+
+std::string save_pretrained_files(const std::string& directory, const std::vector<FullModelTensors::Entry>& entries,
+                                  int64_t max_shard_size, bool safe_serialization, bool writes,
+                                  const std::function<at::Tensor(size_t index)>& tensor) {
   namespace fs = std::filesystem;
-  fs::create_directories(directory);
-  for (const auto& item : fs::directory_iterator(directory)) {
-    const auto name = item.path().filename().string();
-    if (name == "model.safetensors" || name == "model.safetensors.index.json" || name == "pytorch_model.bin" ||
-        (name.rfind("model-", 0) == 0 && name.find("-of-") != std::string::npos)) {
-      fs::remove(item.path());
-    }
-  }
   int64_t total = 0;
-  for (const auto& [name, tensor] : state) total += tensor.numel() * tensor.element_size();
-  if (!safe_serialization) {
-    save_torch_file((fs::path(directory) / "pytorch_model.bin").string(), tensor_dict(state));
-  } else if (max_shard_size <= 0 || total <= max_shard_size) {
-    write_safetensors((fs::path(directory) / "model.safetensors").string(), state);
-  } else {
-    std::vector<std::pair<std::string, int64_t>> sizes;
-    for (const auto& [name, tensor] : state) sizes.emplace_back(name, tensor.numel() * tensor.element_size());
-    const auto files = plan_shard_files(sizes, max_shard_size, "model");
-    // The files hold consecutive runs of the state dict, in order.
-    auto next = state.begin();
-    for (const auto& file : files) {
-      const auto end = next + static_cast<std::ptrdiff_t>(file.tensors.size());
-      write_safetensors((fs::path(directory) / file.name).string(), TensorList(next, end));
-      next = end;
-    }
-    write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
-                          shard_index_json(files, total));
+  std::vector<std::pair<std::string, int64_t>> sizes;
+  for (const auto& entry : entries) {
+    int64_t bytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
+    for (const int64_t extent : entry.shape) bytes *= extent;
+    sizes.emplace_back(entry.name, bytes);
+    total += bytes;
   }
+  // What a safetensors file says of each tensor, on every rank before any gather: a dtype it cannot
+  // hold is the same error everywhere.
+  std::vector<SafetensorsEntry> described;
+  if (safe_serialization) {
+    for (const auto& entry : entries) {
+      std::string dtype;
+      try {
+        dtype = safetensors_dtype_name(entry.dtype);
+      } catch (const std::exception&) {
+        TORCH_CHECK(false, "save_model: tensor '", entry.name, "' is ", entry.dtype,
+                    ", which a safetensors file cannot hold; save with safe_serialization=false (pytorch_model.bin) "
+                    "or convert the tensor first");
+      }
+      described.push_back({entry.name, dtype, entry.shape});
+    }
+  }
+  std::vector<size_t> all(entries.size());
+  for (size_t index = 0; index < all.size(); ++index) all[index] = index;
+  std::vector<PretrainedFile> files;
+  std::vector<ShardFile> shards;
+  if (!safe_serialization) {
+    files.push_back({"pytorch_model.bin", all, true});
+  } else if (max_shard_size <= 0 || total <= max_shard_size) {
+    files.push_back({"model.safetensors", all, false});
+  } else {
+    // The files hold consecutive runs of the state dict, in order.
+    shards = plan_shard_files(sizes, max_shard_size, "model");
+    size_t next = 0;
+    for (const auto& shard : shards) {
+      PretrainedFile file{shard.name, {}, false};
+      for (size_t count = 0; count < shard.tensors.size(); ++count) file.entries.push_back(next++);
+      files.push_back(std::move(file));
+    }
+  }
+  // The order every rank asks for the tensors in: a torch file's is its dict's (the pickler's order),
+  // a safetensors file's the library's layout.
+  std::vector<size_t> sequence;
+  for (const auto& file : files) {
+    if (file.torch_format) {
+      sequence.insert(sequence.end(), file.entries.begin(), file.entries.end());
+      continue;
+    }
+    std::vector<SafetensorsEntry> held;
+    for (const size_t index : file.entries) held.push_back(described[index]);
+    for (const size_t position : safetensors_write_order(held)) sequence.push_back(file.entries[position]);
+  }
+  size_t taken = 0;
+  bool tensor_failed = false;
+  auto take = [&](size_t index) {
+    TORCH_INTERNAL_ASSERT(taken < sequence.size() && sequence[taken] == index, "save_pretrained_files: tensor ", index,
+                          " asked for out of the planned order");
+    ++taken;
+    try {
+      auto data = tensor(index);  // undefined on a rank that gathers without keeping (rank0_only)
+      return data.defined() ? data.to(at::kCPU).contiguous() : data;
+    } catch (...) {
+      tensor_failed = true;
+      throw;
+    }
+  };
+  std::string error;
+  if (writes) {
+    try {
+      fs::create_directories(directory);
+      std::vector<std::string> stale;
+      for (const auto& item : fs::directory_iterator(directory)) {
+        const auto name = item.path().filename().string();
+        if (is_pretrained_model_file(name)) stale.push_back(name);
+      }
+      // The old index goes first: shards rewritten under the same names beside it would otherwise,
+      // after a failure part way, make a mix of two saves that loads. The new index is written last.
+      if (!shards.empty()) fs::remove(fs::path(directory) / "model.safetensors.index.json");
+      std::unordered_map<std::string, size_t> by_name;
+      for (size_t index = 0; index < entries.size(); ++index) by_name.emplace(entries[index].name, index);
+      std::vector<std::string> written;
+      for (const auto& file : files) {
+        const auto path = (fs::path(directory) / file.name).string();
+        if (file.torch_format) {
+          TensorList placeholders;
+          std::unordered_map<const c10::TensorImpl*, size_t> index_of;
+          for (const size_t index : file.entries) {
+            auto placeholder = placeholder_tensor(entries[index].shape, entries[index].dtype);
+            index_of.emplace(placeholder.unsafeGetTensorImpl(), index);
+            placeholders.emplace_back(entries[index].name, std::move(placeholder));
+          }
+          save_torch_file_streaming(path, tensor_dict(placeholders), [&](const at::Tensor& placeholder) {
+            return take(index_of.at(placeholder.unsafeGetTensorImpl()));
+          });
+        } else {
+          std::vector<SafetensorsEntry> held;
+          for (const size_t index : file.entries) held.push_back(described[index]);
+          write_safetensors_streaming(path, held, {}, [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
+            const auto data = take(by_name.at(entry.name));
+            writer(data.data_ptr(), static_cast<size_t>(data.numel() * data.element_size()));
+          });
+        }
+        written.push_back(file.name);
+      }
+      if (!shards.empty()) {
+        write_file_atomically((fs::path(directory) / "model.safetensors.index.json").string(),
+                              shard_index_json(shards, total));
+        written.push_back("model.safetensors.index.json");
+      }
+      for (const auto& name : stale) {
+        if (std::find(written.begin(), written.end(), name) == written.end()) fs::remove(fs::path(directory) / name);
+      }
+    } catch (const std::exception& failure) {
+      if (tensor_failed) throw;
+      error = message_of(failure);
+    }
+  }
+  // The ranks that do not write, and a writer that stopped early, take the tensors left.
+  while (taken < sequence.size()) take(sequence[taken]);
+  return error;
 }
 
 }  // namespace fsdp::detail

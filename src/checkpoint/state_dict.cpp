@@ -16,10 +16,10 @@
 #include "dist/control_channel.h"
 
 namespace fsdp {
-namespace {
+namespace detail {
 
 /// One tensor of the model's state dict and, when a unit shards it, where its shard lives.
-struct ModelTensor {
+struct StateDictTensor {
   std::string name;
   /// Every name the tensor has (tied weights have several); `name` is the first.
   std::vector<std::string> aliases;
@@ -31,6 +31,12 @@ struct ModelTensor {
   };
   std::optional<Owner> owner;
 };
+
+}  // namespace detail
+namespace {
+
+// Named outside this file's anonymous namespace: FullModelTensors keeps a list of them.
+using ModelTensor = detail::StateDictTensor;
 
 std::vector<ModelTensor> model_tensors(torch::nn::Module& model) {
   std::unordered_map<const c10::TensorImpl*, std::pair<FSDPModule, detail::ShardedParameterInfo>> managed;
@@ -199,17 +205,46 @@ at::Tensor TensorListSource::rows(const std::string& name, int64_t row_begin, in
   return tensor.narrow(0, row_begin, row_count);
 }
 
-TensorList full_model_state_dict(torch::nn::Module& model, const StateDictConfig& config) {
+struct detail::FullModelTensors::Tensors {
+  std::vector<ModelTensor> tensors;
+};
+
+detail::FullModelTensors::FullModelTensors(torch::nn::Module& model, const StateDictConfig& config)
+    : tensors_(std::make_unique<Tensors>()), offload_(config.offload_to_cpu) {
   const auto units = fsdp_modules(model);
   const int64_t rank = units.empty() ? 0 : units.front().context().rank();
-  const bool keep = !config.rank0_only || rank == 0;
+  keep_ = !config.rank0_only || rank == 0;
+  tensors_->tensors = model_tensors(model);
+  for (const auto& entry : tensors_->tensors) {
+    entries_.push_back({entry.name, entry.tensor.scalar_type(), global_shape(entry).vec()});
+  }
+}
+
+detail::FullModelTensors::~FullModelTensors() = default;
+
+at::Tensor detail::FullModelTensors::gather(size_t index) {
+  TORCH_INTERNAL_ASSERT(index < tensors_->tensors.size(), "FullModelTensors::gather: no entry ", index);
+  const auto& entry = tensors_->tensors[index];
+  // Every rank takes part in each gather, whether or not it keeps the result.
+  if (entry.owner) {
+    auto full = gather_full(entry.owner->unit, entry.owner->shard.sharded_padded, entry.owner->shard.layout);
+    TORCH_INTERNAL_ASSERT(full.scalar_type() == entries_[index].dtype && full.sizes() == entries_[index].shape,
+                          "FullModelTensors: '", entries_[index].name, "' gathered as ", full.scalar_type(), " ",
+                          full.sizes(), ", planned as ", entries_[index].dtype, " ",
+                          at::IntArrayRef(entries_[index].shape));
+    if (!keep_) return {};
+    return offload_ ? full.cpu() : full;
+  }
+  if (!keep_) return {};
+  return offload_ ? entry.tensor.detach().cpu().clone() : entry.tensor.detach().clone();
+}
+
+TensorList full_model_state_dict(torch::nn::Module& model, const StateDictConfig& config) {
+  detail::FullModelTensors tensors(model, config);
   TensorList result;
-  for (const auto& entry : model_tensors(model)) {
-    // Every rank takes part in each gather, whether or not it keeps the result.
-    at::Tensor full = entry.owner
-                          ? gather_full(entry.owner->unit, entry.owner->shard.sharded_padded, entry.owner->shard.layout)
-                          : entry.tensor.detach().clone();
-    if (keep) result.emplace_back(entry.name, std::move(full));
+  for (size_t index = 0; index < tensors.entries().size(); ++index) {
+    auto full = tensors.gather(index);
+    if (full.defined()) result.emplace_back(tensors.entries()[index].name, std::move(full));
   }
   return result;
 }

@@ -231,7 +231,9 @@ int run_estimate(const EstimateSettings& settings) {
     row("SHARDED_STATE_DICT, written by each rank", estimate.sharded_checkpoint_bytes);
     row("FULL_STATE_DICT, written by rank 0", estimate.full_checkpoint_bytes);
     for (const auto& note : notes) std::printf("note: %s\n", note.c_str());
-    std::printf("libtorch itself and the allocator's slack are not included.\n");
+    std::printf(
+        "not included: libtorch itself (about 130 MiB a process on CPU), the allocator's slack, the engine's "
+        "pooled free blocks (docs/memory.md).\n");
     if (memory) {
       std::printf("%s: peak %s per rank, %s given (--memory-per-rank)\n", fits ? "fits" : "does not fit",
                   human_bytes(peak_with, 2).c_str(), human_bytes(*memory, 2).c_str());

@@ -323,6 +323,14 @@ at::Tensor SafetensorsReader::rows(const std::string& name, int64_t row_begin, i
 
 namespace {
 
+// The file's order, as the safetensors library lays tensors out: wider dtypes first (the table's
+// later entries), then by name.
+bool written_before(const SafetensorsEntry& left, const SafetensorsEntry& right) {
+  const auto left_rank = dtype_rank(left.dtype), right_rank = dtype_rank(right.dtype);
+  if (left_rank != right_rank) return left_rank > right_rank;
+  return left.name < right.name;
+}
+
 struct PlannedTensor {
   SafetensorsEntry entry;
   /// Set when the bytes come from a tensor in memory.
@@ -338,9 +346,7 @@ void assign_offsets(std::vector<PlannedTensor>& planned) {
                 "' is given twice");
   }
   std::sort(planned.begin(), planned.end(), [](const PlannedTensor& left, const PlannedTensor& right) {
-    const auto left_rank = dtype_rank(left.entry.dtype), right_rank = dtype_rank(right.entry.dtype);
-    if (left_rank != right_rank) return left_rank > right_rank;
-    return left.entry.name < right.entry.name;
+    return written_before(left.entry, right.entry);
   });
   int64_t offset = 0;
   for (auto& item : planned) {
@@ -423,6 +429,14 @@ void emit(const std::vector<PlannedTensor>& planned, const std::map<std::string,
 }
 
 }  // namespace
+
+std::vector<size_t> safetensors_write_order(const std::vector<SafetensorsEntry>& entries) {
+  std::vector<size_t> order(entries.size());
+  for (size_t index = 0; index < order.size(); ++index) order[index] = index;
+  std::stable_sort(order.begin(), order.end(),
+                   [&](size_t left, size_t right) { return written_before(entries[left], entries[right]); });
+  return order;
+}
 
 int64_t safetensors_byte_size(const std::string& dtype, const std::vector<int64_t>& shape) {
   const auto* entry = find_dtype(dtype);
