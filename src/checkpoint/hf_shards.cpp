@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <c10/util/Exception.h>
+#include <c10/util/accumulate.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 #include <fsdp/torch_file.h>
@@ -47,11 +48,13 @@ std::string shard_index_json(const std::vector<ShardFile>& files, int64_t total_
 
 namespace {
 
-// One file of a save_pretrained layout and the entries it holds, in the state dict's order.
+// One file of a save_pretrained layout and the entries it holds, in the state dict's order (and,
+// for a safetensors file, what its header says of each).
 struct PretrainedFile {
   std::string name;
   std::vector<size_t> entries;
   bool torch_format = false;
+  std::vector<SafetensorsEntry> described;
 };
 
 bool is_pretrained_model_file(const std::string& name) {
@@ -68,10 +71,9 @@ std::string save_pretrained_files(const std::string& directory, const std::vecto
   int64_t total = 0;
   std::vector<std::pair<std::string, int64_t>> sizes;
   for (const auto& entry : entries) {
-    int64_t bytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
-    for (const int64_t extent : entry.shape) bytes *= extent;
-    sizes.emplace_back(entry.name, bytes);
-    total += bytes;
+    sizes.emplace_back(entry.name,
+                       c10::multiply_integers(entry.shape) * static_cast<int64_t>(c10::elementSize(entry.dtype)));
+    total += sizes.back().second;
   }
   // What a safetensors file says of each tensor, on every rank before any gather: a dtype it cannot
   // hold is the same error everywhere.
@@ -94,15 +96,15 @@ std::string save_pretrained_files(const std::string& directory, const std::vecto
   std::vector<PretrainedFile> files;
   std::vector<ShardFile> shards;
   if (!safe_serialization) {
-    files.push_back({"pytorch_model.bin", all, true});
+    files.push_back({"pytorch_model.bin", all, true, {}});
   } else if (max_shard_size <= 0 || total <= max_shard_size) {
-    files.push_back({"model.safetensors", all, false});
+    files.push_back({"model.safetensors", all, false, {}});
   } else {
     // The files hold consecutive runs of the state dict, in order.
     shards = plan_shard_files(sizes, max_shard_size, "model");
     size_t next = 0;
     for (const auto& shard : shards) {
-      PretrainedFile file{shard.name, {}, false};
+      PretrainedFile file{shard.name, {}, false, {}};
       for (size_t count = 0; count < shard.tensors.size(); ++count) file.entries.push_back(next++);
       files.push_back(std::move(file));
     }
@@ -110,14 +112,13 @@ std::string save_pretrained_files(const std::string& directory, const std::vecto
   // The order every rank asks for the tensors in: a torch file's is its dict's (the pickler's order),
   // a safetensors file's the library's layout.
   std::vector<size_t> sequence;
-  for (const auto& file : files) {
+  for (auto& file : files) {
     if (file.torch_format) {
       sequence.insert(sequence.end(), file.entries.begin(), file.entries.end());
       continue;
     }
-    std::vector<SafetensorsEntry> held;
-    for (const size_t index : file.entries) held.push_back(described[index]);
-    for (const size_t position : safetensors_write_order(held)) sequence.push_back(file.entries[position]);
+    for (const size_t index : file.entries) file.described.push_back(described[index]);
+    for (const size_t position : safetensors_write_order(file.described)) sequence.push_back(file.entries[position]);
   }
   size_t taken = 0;
   bool tensor_failed = false;
@@ -162,12 +163,11 @@ std::string save_pretrained_files(const std::string& directory, const std::vecto
             return take(index_of.at(placeholder.unsafeGetTensorImpl()));
           });
         } else {
-          std::vector<SafetensorsEntry> held;
-          for (const size_t index : file.entries) held.push_back(described[index]);
-          write_safetensors_streaming(path, held, {}, [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
-            const auto data = take(by_name.at(entry.name));
-            writer(data.data_ptr(), static_cast<size_t>(data.numel() * data.element_size()));
-          });
+          write_safetensors_streaming(
+              path, file.described, {}, [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
+                const auto data = take(by_name.at(entry.name));
+                writer(data.data_ptr(), static_cast<size_t>(data.numel() * data.element_size()));
+              });
         }
         written.push_back(file.name);
       }

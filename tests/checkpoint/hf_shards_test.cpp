@@ -15,21 +15,12 @@
 
 #include "harness/error_message.h"
 #include "harness/multi_rank.h"
+#include "harness/resident_memory.h"
 
 namespace fsdp {
 namespace {
 
 namespace fs = std::filesystem;
-
-/// A /proc/self/status field in MB; -1 where it cannot be read.
-double status_mb(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(field + ":", 0) == 0) return std::stod(line.substr(field.size() + 1)) / 1024.0;
-  }
-  return -1;
-}
 
 /// Tensors of four dtypes, a 0-dim one and an empty one, in an order that is not the safetensors
 /// file's (wider dtypes first, then by name).
@@ -199,13 +190,10 @@ TEST(SavePretrainedFiles, SaveModelHoldsOneFullTensorAtATimeOnRank0) {
     torch::optim::SGD optimizer(model->parameters(), torch::optim::SGDOptions(0.1));
     accelerator.prepare(model, optimizer);
 
-    std::ofstream clear("/proc/self/clear_refs");  // VmHWM starts again from the RSS now
-    clear << "5";
-    clear.flush();
-    const bool peak_reset = static_cast<bool>(clear);
-    const double before = status_mb("VmRSS");
+    const bool peak_reset = testing::reset_peak_resident();
+    const double before = testing::status_bytes("VmRSS") / 1048576.0;
     accelerator.save_model(directory + "/model");
-    const double growth = status_mb("VmHWM") - before;
+    const double growth = testing::status_bytes("VmHWM") / 1048576.0 - before;
     if (context.rank() != 0) return;
     const auto source = SafetensorsCheckpointSource(directory + "/model");
     ASSERT_EQ(source.size(), static_cast<size_t>(kLayers));

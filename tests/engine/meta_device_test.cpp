@@ -5,23 +5,15 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include <fstream>
 #include <string>
 
 #include "harness/error_message.h"
+#include "harness/resident_memory.h"
 
 namespace fsdp {
 namespace {
 
-// Resident memory of this process in bytes (VmRSS), or -1 where /proc does not say.
-int64_t resident_bytes() {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind("VmRSS:", 0) == 0) return std::stoll(line.substr(6)) * 1024;
-  }
-  return -1;
-}
+int64_t resident_bytes() { return testing::status_bytes("VmRSS"); }
 
 TEST(MetaDevice, AModelBuiltUnderTheGuardHoldsNoMemory) {
   const int64_t before = resident_bytes();

@@ -15,6 +15,7 @@
 #include "harness/multi_rank.h"
 #include "harness/parity.h"
 #include "harness/python_peer.h"
+#include "harness/resident_memory.h"
 
 namespace fsdp {
 namespace {
@@ -175,21 +176,12 @@ torch::nn::ModuleList wide_model() {
   return model;
 }
 
-int64_t status_bytes(const std::string& field) {
-  std::ifstream status("/proc/self/status");
-  std::string line;
-  while (std::getline(status, line)) {
-    if (line.rfind(field + ":", 0) == 0) return std::stoll(line.substr(field.size() + 1)) * 1024;
-  }
-  return -1;
-}
-
 // The growth of peak resident memory while `build_and_shard` runs.
 int64_t peak_growth(const std::function<void()>& build_and_shard) {
-  std::ofstream("/proc/self/clear_refs") << "5";  // VmHWM := VmRSS
-  const int64_t before = status_bytes("VmRSS");
+  testing::reset_peak_resident();
+  const int64_t before = testing::status_bytes("VmRSS");
   build_and_shard();
-  return status_bytes("VmHWM") - before;
+  return testing::status_bytes("VmHWM") - before;
 }
 
 TEST(MetaInit, PeakResidentMemoryPerRankStaysNearItsShards) {
