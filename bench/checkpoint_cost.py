@@ -6,10 +6,11 @@ final one, a synchronous SHARDED checkpoint every 10 steps, and an asynchronous 
 (--async-checkpoint, Note [asynchronous checkpoints]). The peer is the run without checkpoints in
 the same round. Each run's time is from the line step 1 adds to metrics.jsonl to the line of step
 41 (seen by polling the file every 5 ms), so it holds 40 step intervals and the saves after steps
-10, 20, 30 and 40, and neither start-up nor the final save. The cost is measured within each run
-(the machine drifts 5-10% between runs): its 40 intervals against 40 of its own median interval,
-less the same figure of the run without checkpoints. The blocking part of an asynchronous save is
-what rank 0 reports it staged in ("staged ... in S s"), against the median step.
+10, 20, 30 and 40, and neither start-up nor the final save. The cost of a mode is the ratio of its
+run to the run without checkpoints in the same round, the median of those paired ratios over the
+rounds with their spread (the rounds rotate the order, since a run after another's deletes and
+write-back is slower by itself). The blocking part of an asynchronous save is what rank 0 reports it
+staged in ("staged ... in S s"), against the median step.
 Then, once: `fsdp launch --max-restarts 1` with checkpoints every 10 steps, rank 1 killed (SIGKILL)
 after step 25; the time from the kill to the first step logged after the restart (which resumes at
 step 20), and the steps lost.
@@ -87,11 +88,8 @@ def timed_run(args, directory, flags):
     staged = [float(value) for value in re.findall(r"staged [0-9.]+ MiB of this rank's state in ([0-9.]+) s", output)]
     mib = re.findall(r"staged ([0-9.]+) MiB", output)
     intervals = [seen[count + 1] - seen[count] for count in range(1, STEPS) if count in seen and count + 1 in seen]
-    # Within the run: the 40 intervals against 40 of its median one, so that a run-to-run drift of the
-    # machine (5-10% here) does not pass for a checkpoint's cost; the saves sit in 4 of the 40.
     return {"seconds": seen[STEPS] - seen[1], "median_step": statistics.median(steps), "staging_seconds": staged,
             "staging_mib": float(mib[0]) if mib else None,
-            "over_median": (seen[STEPS] - seen[1]) / (len(intervals) * statistics.median(intervals)),
             "save_interval_excess": [intervals[step - 1] - statistics.median(intervals)
                                      for step in range(EVERY, STEPS, EVERY) if step - 1 < len(intervals)]}
 
@@ -156,26 +154,29 @@ def main():
     subprocess.run(["rm", "-rf", work], check=True)
 
     median = {mode: statistics.median(run["seconds"] for run in runs[mode]) for mode in modes}
-    over = {mode: statistics.median(run["over_median"] for run in runs[mode]) for mode in modes}
+    # Paired: each round's run against the run without checkpoints of the same round.
+    paired = {mode: [run["seconds"] / none["seconds"] for run, none in zip(runs[mode], runs["none"])]
+              for mode in modes}
     step = statistics.median(run["median_step"] for run in runs["none"])
     staging = statistics.median(value for run in runs["async"] for value in run["staging_seconds"])
     saves = (STEPS - 1) // EVERY
     table = [
         f"Run of {time.strftime('%Y-%m-%d %H:%M')}: `train_llama --preset {args.preset}` on {args.ranks} ranks, "
-        f"{STEPS - 1} step intervals with {saves} checkpoints (every {EVERY} steps), medians of {args.rounds} "
-        f"rounds in rotating order; the median step without checkpoints is {step:.3f} s.",
+        f"{STEPS - 1} step intervals with {saves} checkpoints (every {EVERY} steps), {args.rounds} rounds in "
+        f"rotating order; the median step without checkpoints is {step:.3f} s.",
         "",
-        "| checkpoints | seconds for the 40 intervals | / the run without | / 40 of its median interval | cost of step time | the save's own interval, beyond the median |",
+        "| checkpoints | seconds for the 40 intervals (median) | / the run without, paired: median | spread (min-max) "
+        "| per round | the save's own interval, beyond the median |",
         "|---|---|---|---|---|---|",
     ]
     for mode in modes:
         excess = statistics.median(value for run in runs[mode] for value in run["save_interval_excess"])
-        cost = over[mode] - over["none"]
-        table.append(f"| {mode} | {median[mode]:.2f} | {median[mode] / median['none']:.3f} | {over[mode]:.3f} | "
-                     f"{'' if mode == 'none' else f'{100 * cost:+.1f}%'} | {excess:+.3f} s |")
-    table += ["", "The cost of step time is the last column but one less the same figure of the run without "
-              "checkpoints (whose intervals vary by themselves): within each run, so that the machine's drift "
-              "between runs does not count."]
+        ratios = paired[mode]
+        table.append(f"| {mode} | {median[mode]:.2f} | {statistics.median(ratios):.3f} | "
+                     f"{min(ratios):.3f}-{max(ratios):.3f} | {', '.join(f'{ratio:.3f}' for ratio in ratios)} | "
+                     f"{excess:+.3f} s |")
+    table += ["", "Each ratio is a run's 40 intervals against those of the run without checkpoints in the same "
+              "round; the cost is the median ratio less 1."]
     staged_mib = runs["async"][0]["staging_mib"]
     table += [
         "",

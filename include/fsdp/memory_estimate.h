@@ -19,14 +19,35 @@
 // - checkpoint bytes: SHARDED_STATE_DICT writes each rank's owned rows (not the padding) of the
 //   parameters and the optimizer state, only on the first replica; FULL_STATE_DICT writes everything
 //   on rank 0.
+// The step's peak is the largest of three moments, each the model state plus what exists then:
+// - the end of forward: the unsharded parameters held at once and the activations;
+// - the reduction of the largest unit's gradients, in its post-backward (the root's, last, for a
+//   Llama whose embedding and head are the root): the kept units' unsharded parameters (and the
+//   unit's own, if it resharded), its unsharded gradients, and the reduce-scatter's input and
+//   received rows in the reduce dtype; beside them, the blocks the pool kept from the unit reduced
+//   before it (counted as the largest other unit's); the activations are gone by then for the root;
+// - the optimizer step: the step's temporaries (libtorch's AdamW makes two the size of a
+//   parameter's shard, one for exp_avg_sq's square root and one for its quotient; SGD one, for
+//   weight decay), and the blocks the pool (src/memory/buffer_pool.h) keeps from the last unit
+//   whose gradients were reduced: its unsharded parameters, reduce-scatter input and received rows
+//   (NO_SHARD: the all-reduce's received rows). The pool keeps them for the next step's units;
+//   freeing them when backward ends cost the next step their page faults (1-5 % of a 34 M model's
+//   step, paired) and lowered no measured peak, which was one of the other two moments.
+// The resident peak adds libtorch and the process itself (runtime_bytes): 150 MiB, what a job of a
+// 0.7 M-parameter model peaks at per rank on CPU here (142-160 MiB at 2 to 8 ranks, torch 2.13),
+// its code, thread stacks and allocator arenas; a GPU's CUDA context is not included. It holds for
+// host memory with limit_retained_host_memory() (host_memory.h): with glibc's default thresholds,
+// freed blocks of up to 32 MiB stay resident in the heap, an amount the model does not decide
+// (bench/README.md, "Memory per rank: estimate and measured peak", has both).
 // Activations depend on the model's forward and are not part of this estimate; the command adds a
 // Llama-specific estimate and labels it so. The figures are validated against the engine's counters
-// by tests/cli/estimate_command_test.cpp.
+// and against measured peak RSS by tests/cli/estimate_command_test.cpp.
 #pragma once
 
 #include <fsdp/sharding_options.h>
 #include <torch/nn/module.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -118,17 +139,36 @@ struct MemoryEstimate {
   int64_t kept_unit_bytes = 0;     ///< the units that stay unsharded after forward (root, tail), unsharded
   int64_t unsharded_peak_bytes_without_prefetch = 0;  ///< unsharded parameters held at once, no prefetch
   int64_t unsharded_peak_bytes_with_prefetch = 0;     ///< the same with one unit prefetched
-  int64_t unsharded_gradient_bytes = 0;               ///< one unit's unsharded gradients and reduce-scatter input
-  int64_t bytes_sent_per_step = 0;                    ///< what the rank sends per step
+  int64_t unsharded_gradient_bytes = 0;   ///< the largest unit's unsharded gradients, reduce-scatter input and rows
+  int64_t pooled_bytes_in_reduction = 0;  ///< the pool's blocks from the unit reduced before it
+  int64_t reduction_bytes = 0;            ///< what its reduction adds to the model state (all of the above)
+  int64_t bytes_sent_per_step = 0;        ///< what the rank sends per step
   int64_t bytes_sent_off_machine_per_step =
       0;                                 ///< of which to other machines (by the algorithms the engine's table takes)
   int64_t sharded_checkpoint_bytes = 0;  ///< SHARDED_STATE_DICT: model and optimizer, this rank's file(s)
   int64_t full_checkpoint_bytes = 0;     ///< FULL_STATE_DICT: model and optimizer, written by rank 0
 
+  int64_t optimizer_step_temporary_bytes = 0;  ///< the optimizer step's own temporaries
+  int64_t pooled_bytes_in_optimizer_step = 0;  ///< the pool's blocks kept from the last reduction
+  int64_t runtime_bytes = 0;                   ///< libtorch and the process (CPU)
+
   int64_t model_state_bytes() const { return parameter_bytes + gradient_bytes + optimizer_bytes; }
-  /// Model state plus the unsharded parameters and gradients of the step (prefetch as chosen).
-  int64_t peak_bytes(bool prefetch) const;
+  /// The training step's peak: model state plus the larger of the end of forward (the unsharded
+  /// parameters held at once, prefetch as chosen, and `activation_bytes`) and the largest reduction.
+  int64_t training_step_bytes(bool prefetch, int64_t activation_bytes) const;
+  /// Model state plus the optimizer step's temporaries and the pool's kept blocks.
+  int64_t optimizer_step_bytes() const {
+    return model_state_bytes() + optimizer_step_temporary_bytes + pooled_bytes_in_optimizer_step;
+  }
+  /// What the process holds at its peak: the runtime plus the larger of the training step and the
+  /// optimizer step.
+  int64_t resident_peak_bytes(bool prefetch, int64_t activation_bytes) const {
+    return runtime_bytes + std::max(training_step_bytes(prefetch, activation_bytes), optimizer_step_bytes());
+  }
 };
+
+/// libtorch and the process on CPU, per rank (Note [estimating memory per rank]).
+constexpr int64_t kRuntimeBytes = int64_t{150} << 20;
 
 /// The estimate for `units` (from unit_shapes()) under `options`.
 MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const MemoryEstimateOptions& options);

@@ -148,8 +148,9 @@ int run_estimate(const EstimateSettings& settings) {
   const int64_t activations =
       llama_activation_bytes(config, settings.micro_batch_size, seq_len,
                              static_cast<int64_t>(c10::elementSize(compute_dtype)), settings.activation_checkpointing);
-  const int64_t peak_with = estimate.peak_bytes(true) + activations;
-  const int64_t peak_without = estimate.peak_bytes(false) + activations;
+  // Note [estimating memory per rank]: the runtime plus the larger of the training and optimizer steps.
+  const int64_t peak_with = estimate.resident_peak_bytes(true, activations);
+  const int64_t peak_without = estimate.resident_peak_bytes(false, activations);
   std::optional<int64_t> memory;
   if (!settings.memory_per_rank.empty()) memory = detail::parse_byte_size(settings.memory_per_rank);
   const bool fits = !memory || peak_with <= *memory;
@@ -183,6 +184,14 @@ int run_estimate(const EstimateSettings& settings) {
         {"micro_batch_size", settings.micro_batch_size},
         {"seq_len", seq_len},
         {"activation_checkpointing", settings.activation_checkpointing},
+        {"pooled_bytes_in_reduction", estimate.pooled_bytes_in_reduction},
+        {"reduction_bytes", estimate.reduction_bytes},
+        {"training_step_bytes_with_prefetch", estimate.training_step_bytes(true, activations)},
+        {"optimizer_step_temporary_bytes", estimate.optimizer_step_temporary_bytes},
+        {"pooled_bytes_in_optimizer_step", estimate.pooled_bytes_in_optimizer_step},
+        {"optimizer_step_bytes", estimate.optimizer_step_bytes()},
+        {"runtime_bytes", estimate.runtime_bytes},
+        {"host_memory", "limit_retained_host_memory"},
         {"peak_bytes_with_prefetch", peak_with},
         {"peak_bytes_without_prefetch", peak_without},
         {"bytes_sent_per_step", estimate.bytes_sent_per_step},
@@ -218,12 +227,19 @@ int run_estimate(const EstimateSettings& settings) {
     row("model state", estimate.model_state_bytes());
     row("unsharded parameters held at once, with prefetch", estimate.unsharded_peak_bytes_with_prefetch);
     row("unsharded parameters held at once, without prefetch", estimate.unsharded_peak_bytes_without_prefetch);
-    row("one unit's gradients while it is reduced", estimate.unsharded_gradient_bytes);
+    row("largest unit's gradients, reduce-scatter input and rows", estimate.unsharded_gradient_bytes);
+    row("pooled blocks of the unit reduced before it", estimate.pooled_bytes_in_reduction);
+    row("its reduction, with the unsharded units held then", estimate.reduction_bytes);
     row("activations (an estimate: " + std::to_string(settings.micro_batch_size) + " x " + std::to_string(seq_len) +
             " tokens" + (settings.activation_checkpointing ? ", checkpointed)" : ")"),
         activations);
-    row("peak, with prefetch", peak_with);
-    row("peak, without prefetch", peak_without);
+    row("training step (state + larger of forward, reduction)", estimate.training_step_bytes(true, activations));
+    row("optimizer step's temporaries", estimate.optimizer_step_temporary_bytes);
+    row("pooled blocks kept from the last reduction", estimate.pooled_bytes_in_optimizer_step);
+    row("optimizer step (model state and the two above)", estimate.optimizer_step_bytes());
+    row("libtorch and the process (CPU)", estimate.runtime_bytes);
+    row("peak resident, with prefetch", peak_with);
+    row("peak resident, without prefetch", peak_without);
     std::printf("per step\n");
     row("bytes sent by each rank", estimate.bytes_sent_per_step);
     row("of which to other machines", estimate.bytes_sent_off_machine_per_step);
@@ -232,8 +248,9 @@ int run_estimate(const EstimateSettings& settings) {
     row("FULL_STATE_DICT, written by rank 0", estimate.full_checkpoint_bytes);
     for (const auto& note : notes) std::printf("note: %s\n", note.c_str());
     std::printf(
-        "not included: libtorch itself (about 130 MiB a process on CPU), the allocator's slack, the engine's "
-        "pooled free blocks (docs/memory.md).\n");
+        "the peak is the runtime plus the larger of the two steps, for host memory with "
+        "limit_retained_host_memory(); with glibc's default thresholds freed blocks stay resident in the heap, "
+        "measured up to 1.3x more (docs/memory.md).\n");
     if (memory) {
       std::printf("%s: peak %s per rank, %s given (--memory-per-rank)\n", fits ? "fits" : "does not fit",
                   human_bytes(peak_with, 2).c_str(), human_bytes(*memory, 2).c_str());

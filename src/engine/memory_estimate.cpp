@@ -86,9 +86,10 @@ void MemoryEstimateOptions::validate() const {
               "estimate-memory: reduce_dtype must be floating, got ", *mixed_precision.reduce_dtype);
 }
 
-int64_t MemoryEstimate::peak_bytes(bool prefetch) const {
-  return model_state_bytes() + (prefetch ? unsharded_peak_bytes_with_prefetch : unsharded_peak_bytes_without_prefetch) +
-         unsharded_gradient_bytes;
+int64_t MemoryEstimate::training_step_bytes(bool prefetch, int64_t activation_bytes) const {
+  const int64_t forward =
+      (prefetch ? unsharded_peak_bytes_with_prefetch : unsharded_peak_bytes_without_prefetch) + activation_bytes;
+  return model_state_bytes() + std::max(forward, reduction_bytes);
 }
 
 namespace {
@@ -143,9 +144,10 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
   };
 
   std::vector<int64_t> resharding_units;  // unsharded bytes (compute dtype, padded) of the units that reshard
+  std::vector<int64_t> unit_bytes;        // ... of every unit
   int64_t kept_bytes = 0;                 // ... of the units that stay unsharded after forward
   double sent = 0, sent_off_machine = 0;
-  int64_t owned_elements_rank0 = 0;
+  int64_t owned_elements_rank0 = 0, largest_shard_elements = 0;
   for (size_t index = 0; index < units.size(); ++index) {
     const bool kept = !units[index].reshard_after_forward;
     int64_t shard_elements = 0, padded_elements = 0, unit_elements = 0;
@@ -155,6 +157,7 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
       padded_elements += layout.numel_padded_shard * shards;
       unit_elements += layout.numel_unsharded();
       owned_elements_rank0 += layout.numel_owned;
+      largest_shard_elements = std::max(largest_shard_elements, layout.numel_padded_shard);
     }
     estimate.parameters += unit_elements;
     estimate.parameter_bytes += shard_elements * storage;
@@ -162,6 +165,7 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
       kept_bytes += padded_elements * compute;
     else
       resharding_units.push_back(padded_elements * compute);
+    unit_bytes.push_back(padded_elements * compute);
     estimate.largest_unit_bytes = std::max(estimate.largest_unit_bytes, padded_elements * compute);
     if (no_shard) {
       // All-reduce of the gradients over the world: 2 (N - 1) / N of them.
@@ -227,12 +231,42 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
     estimate.unsharded_peak_bytes_without_prefetch = kept_bytes + largest + rows;
     estimate.unsharded_peak_bytes_with_prefetch = kept_bytes + largest + second + rows;
   }
-  // In backward, one unit's unsharded gradients (compute dtype) and its reduce-scatter input
-  // (reduce dtype) exist together; NO_SHARD reduces in place.
+  // The largest unit's reduction (Note [estimating memory per rank]): its unsharded gradients (compute
+  // dtype), the reduce-scatter's input and received rows (reduce dtype), beside the kept units'
+  // unsharded parameters and its own. NO_SHARD's all-reduce works on the gradients themselves; its
+  // received rows are the optimizer step's pooled blocks below.
   if (!no_shard) {
     const int64_t unit = estimate.largest_unit_bytes / std::max<int64_t>(compute, 1);
-    estimate.unsharded_gradient_bytes = unit * (compute + reduce);
+    estimate.unsharded_gradient_bytes = unit * (compute + 2 * reduce);
+    // Held meanwhile: the kept units and one resharding unit (hpZ's rows; everything when nothing
+    // reshards), as without prefetch, but no resharding unit while a kept one is the largest.
+    const bool largest_is_kept = largest < estimate.largest_unit_bytes;
+    int64_t held = estimate.unsharded_peak_bytes_without_prefetch;
+    if (post_forward_group != 1 && largest_is_kept) held -= largest;
+    // The pool still holds the blocks of the unit reduced just before (its unsharded parameters,
+    // reduce-scatter input and received rows); the largest other unit's, as that one is not known here.
+    std::sort(unit_bytes.rbegin(), unit_bytes.rend());
+    const int64_t previous = unit_bytes.size() > 1 ? unit_bytes[1] / std::max<int64_t>(compute, 1) : 0;
+    estimate.pooled_bytes_in_reduction = previous * (compute + 2 * reduce);
+    estimate.reduction_bytes = held + estimate.unsharded_gradient_bytes + estimate.pooled_bytes_in_reduction;
   }
+  // The optimizer step: AdamW's two temporaries (sqrt, then the quotient) or SGD's one, the size of
+  // the largest parameter's shard; the pool's blocks from the last unit reduced, the root (or, when
+  // the root owns nothing, the first unit, whose backward runs last).
+  estimate.optimizer_step_temporary_bytes =
+      (options.optimizer == OptimizerKind::kAdamW ? 2 : 1) * largest_shard_elements * storage;
+  // Its unsharded parameters, reduce-scatter input and received rows; NO_SHARD's all-reduce keeps only
+  // the received rows (the direct algorithms of one machine, src/dist/c10d/schedules.cpp).
+  const UnitShape& last = units.back().parameter_sizes.empty() ? units.front() : units.back();
+  int64_t last_elements = 0;
+  for (const auto& sizes : last.parameter_sizes) last_elements += shard_layout(sizes, shards, 0).numel_padded_shard;
+  last_elements *= shards;
+  if (!no_shard) {
+    estimate.pooled_bytes_in_optimizer_step = last_elements * (compute + 2 * reduce);
+  } else if (world > 1) {
+    estimate.pooled_bytes_in_optimizer_step = padded_all_reduce(last_elements, world) * reduce;
+  }
+  estimate.runtime_bytes = kRuntimeBytes;
 
   // Checkpoints: the owned rows (no padding) of the parameters and of each optimizer state.
   estimate.sharded_checkpoint_bytes = owned_elements_rank0 * storage * (1 + states);

@@ -35,6 +35,31 @@ TEST(MemoryEstimate, StateIsTheRanksPaddedShardsAndBytesSentFollowTheCollectives
   // Rank 0 owns 2 rows of each unit and 2 of the root: 18 elements, three copies (weights, moments).
   EXPECT_EQ(estimate.sharded_checkpoint_bytes, 18 * 4 * 3);
   EXPECT_EQ(estimate.full_checkpoint_bytes, 70 * 4 * 3);
+  // The optimizer step: AdamW's two temporaries of the largest shard (2 rows of 4), and the root's
+  // pooled blocks (8 padded elements: unsharded parameters, reduce-scatter input, received rows).
+  EXPECT_EQ(estimate.optimizer_step_temporary_bytes, 2 * 8 * 4);
+  EXPECT_EQ(estimate.pooled_bytes_in_optimizer_step, 8 * 4 * 3);
+  EXPECT_EQ(estimate.optimizer_step_bytes(), (4 * 18 + 2 * 8 + 8 * 3) * 4);
+  // The largest unit's reduction: the root (8) and that unit (32) unsharded, its gradients, the
+  // reduce-scatter's input and received rows (3 x 32), and the pool's blocks of the unit reduced
+  // before it (the other 32-element unit's three).
+  EXPECT_EQ(estimate.unsharded_gradient_bytes, 3 * 32 * 4);
+  EXPECT_EQ(estimate.pooled_bytes_in_reduction, 3 * 32 * 4);
+  EXPECT_EQ(estimate.reduction_bytes, (8 + 32 + 3 * 32 + 3 * 32) * 4);
+  // The training step: the larger of the end of forward (72 unsharded elements and the activations)
+  // and the reduction; the resident peak adds the runtime to the larger of it and the optimizer step.
+  EXPECT_EQ(estimate.training_step_bytes(true, 0), (4 * 18 + 8 + 32 + 6 * 32) * 4);
+  EXPECT_EQ(estimate.training_step_bytes(true, 1000), (4 * 18 + 72) * 4 + 1000);
+  EXPECT_EQ(estimate.resident_peak_bytes(true, 1000), kRuntimeBytes + (4 * 18 + 72) * 4 + 1000);
+  // A step without activations or unsharded units (NO_SHARD of one rank): the optimizer step is the peak.
+  {
+    MemoryEstimateOptions one_rank;
+    one_rank.sharding_strategy = ShardingStrategy::kNoShard;
+    const auto alone = estimate_memory(two_units_and_a_root(), one_rank);
+    EXPECT_EQ(alone.pooled_bytes_in_optimizer_step, 0);
+    EXPECT_EQ(alone.optimizer_step_temporary_bytes, 2 * 32 * 4);
+    EXPECT_EQ(alone.resident_peak_bytes(false, 0), kRuntimeBytes + (4 * 70 + 2 * 32) * 4);
+  }
 
   // hpZ k = 2: backward gathers over 2 ranks, each sending its row of 2 shards (16 elements) to
   // the other; between forward and backward each unit keeps that row, 16 of its 32 elements.
@@ -70,6 +95,8 @@ TEST(MemoryEstimate, StateIsTheRanksPaddedShardsAndBytesSentFollowTheCollectives
   EXPECT_EQ(estimate.model_state_bytes(), 2 * 70 * 4);
   EXPECT_EQ(estimate.bytes_sent_per_step, static_cast<int64_t>(2.0 * 3 / 4 * 70 * 2));
   EXPECT_EQ(estimate.unsharded_peak_bytes_with_prefetch, 0);
+  EXPECT_EQ(estimate.optimizer_step_temporary_bytes, 32 * 4);  // SGD's one, for weight decay
+  EXPECT_EQ(estimate.pooled_bytes_in_optimizer_step, 8 * 2);   // the root's received rows, padded to 4 ranks
 }
 
 TEST(MemoryEstimate, UnitShapesCountATiedWeightOnceAndWorkOnTheMetaDevice) {

@@ -99,6 +99,9 @@ void add_options(CLI::App& app, Settings& settings) {
   app.add_flag("--async-checkpoint", settings.async_checkpoint,
                "Write checkpoints on a background thread while training continues (SHARDED_STATE_DICT only); each "
                "counts once every rank's files are written, and the last is finished before the run ends");
+  app.add_flag("--limit-host-memory", settings.limit_host_memory,
+               "Return freed large blocks to the system (AcceleratorOptions::limit_retained_host_memory): the peak "
+               "`fsdp estimate-memory` gives holds, for some step time (docs/memory.md)");
   app.add_option("--total-limit", settings.total_limit, "Checkpoints to keep (0: all)")
       ->check(non_negative_value())
       ->capture_default_str();
@@ -150,7 +153,8 @@ std::vector<std::pair<std::string, std::string>> run_fields(const Settings& sett
           {"--stop-after", std::to_string(settings.stop_after)},
           {"--sample-bytes", std::to_string(settings.sample_bytes)},
           {"--skip-nonfinite-steps", settings.skip_nonfinite_steps ? "true" : "false"},
-          {"--async-checkpoint", settings.async_checkpoint ? "true" : "false"}};
+          {"--async-checkpoint", settings.async_checkpoint ? "true" : "false"},
+          {"--limit-host-memory", settings.limit_host_memory ? "true" : "false"}};
 }
 
 std::map<std::string, double> resume_settings(const Settings& settings) {

@@ -40,6 +40,7 @@ struct Settings {
   int64_t sample_bytes = 300;
   bool skip_nonfinite_steps = false;
   bool async_checkpoint = false;
+  bool limit_host_memory = false;
 };
 
 /// Adds train_llama's flags to `app`, each writing into `settings`.

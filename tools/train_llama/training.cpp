@@ -156,6 +156,7 @@ int train(const Settings& settings, const fsdp::DistributedContext& context) {
   if (stream_weights) options.fsdp_plugin->param_init_fn = [](torch::nn::Module&) {};
   options.cpu = true;  // train_llama computes on the CPU (main.cpp)
   options.gradient_accumulation_steps = accumulation;
+  options.limit_retained_host_memory = settings.limit_host_memory;
   options.project_dir = settings.output_dir;
   options.total_limit = settings.total_limit;
   fsdp::Accelerator accelerator(context, options);
