@@ -143,9 +143,9 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
     return total / static_cast<double>(size);
   };
 
-  std::vector<int64_t> resharding_units;  // unsharded bytes (compute dtype, padded) of the units that reshard
-  std::vector<int64_t> unit_bytes;        // ... of every unit
-  int64_t kept_bytes = 0;                 // ... of the units that stay unsharded after forward
+  std::vector<int64_t> resharding_units;    // unsharded bytes (compute dtype, padded) of the units that reshard
+  std::vector<int64_t> padded_elements_of;  // every unit's padded elements (over the shard group), in order
+  int64_t kept_bytes = 0;                   // ... of the units that stay unsharded after forward
   double sent = 0, sent_off_machine = 0;
   int64_t owned_elements_rank0 = 0, largest_shard_elements = 0;
   for (size_t index = 0; index < units.size(); ++index) {
@@ -165,7 +165,7 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
       kept_bytes += padded_elements * compute;
     else
       resharding_units.push_back(padded_elements * compute);
-    unit_bytes.push_back(padded_elements * compute);
+    padded_elements_of.push_back(padded_elements);
     estimate.largest_unit_bytes = std::max(estimate.largest_unit_bytes, padded_elements * compute);
     if (no_shard) {
       // All-reduce of the gradients over the world: 2 (N - 1) / N of them.
@@ -231,13 +231,17 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
     estimate.unsharded_peak_bytes_without_prefetch = kept_bytes + largest + rows;
     estimate.unsharded_peak_bytes_with_prefetch = kept_bytes + largest + second + rows;
   }
-  // The largest unit's reduction (Note [estimating memory per rank]): its unsharded gradients (compute
-  // dtype), the reduce-scatter's input and received rows (reduce dtype), beside the kept units'
-  // unsharded parameters and its own. NO_SHARD's all-reduce works on the gradients themselves; its
-  // received rows are the optimizer step's pooled blocks below.
+  // A unit's three unit-sized blocks around its reduction (Note [estimating memory per rank]): one in
+  // the compute dtype (its unsharded gradients, or its unsharded parameters), the reduce-scatter's
+  // input and its received rows in the reduce dtype.
+  const auto reduction_blocks = [&](int64_t elements) { return elements * (compute + 2 * reduce); };
+  // The largest unit's reduction: its gradients and the reduce-scatter's blocks, beside the kept
+  // units' unsharded parameters and its own. NO_SHARD's all-reduce works on the gradients themselves;
+  // its received rows are the optimizer step's pooled blocks below.
+  auto largest_first = padded_elements_of;  // units.size() >= 1 (checked above)
+  std::sort(largest_first.rbegin(), largest_first.rend());
   if (!no_shard) {
-    const int64_t unit = estimate.largest_unit_bytes / std::max<int64_t>(compute, 1);
-    estimate.unsharded_gradient_bytes = unit * (compute + 2 * reduce);
+    estimate.unsharded_gradient_bytes = reduction_blocks(largest_first[0]);
     // Held meanwhile: the kept units and one resharding unit (hpZ's rows; everything when nothing
     // reshards), as without prefetch, but no resharding unit while a kept one is the largest.
     const bool largest_is_kept = largest < estimate.largest_unit_bytes;
@@ -245,9 +249,7 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
     if (post_forward_group != 1 && largest_is_kept) held -= largest;
     // The pool still holds the blocks of the unit reduced just before (its unsharded parameters,
     // reduce-scatter input and received rows); the largest other unit's, as that one is not known here.
-    std::sort(unit_bytes.rbegin(), unit_bytes.rend());
-    const int64_t previous = unit_bytes.size() > 1 ? unit_bytes[1] / std::max<int64_t>(compute, 1) : 0;
-    estimate.pooled_bytes_in_reduction = previous * (compute + 2 * reduce);
+    estimate.pooled_bytes_in_reduction = largest_first.size() > 1 ? reduction_blocks(largest_first[1]) : 0;
     estimate.reduction_bytes = held + estimate.unsharded_gradient_bytes + estimate.pooled_bytes_in_reduction;
   }
   // The optimizer step: AdamW's two temporaries (sqrt, then the quotient) or SGD's one, the size of
@@ -255,14 +257,12 @@ MemoryEstimate estimate_memory(const std::vector<UnitShape>& units, const Memory
   // the root owns nothing, the first unit, whose backward runs last).
   estimate.optimizer_step_temporary_bytes =
       (options.optimizer == OptimizerKind::kAdamW ? 2 : 1) * largest_shard_elements * storage;
-  // Its unsharded parameters, reduce-scatter input and received rows; NO_SHARD's all-reduce keeps only
-  // the received rows (the direct algorithms of one machine, src/dist/c10d/schedules.cpp).
-  const UnitShape& last = units.back().parameter_sizes.empty() ? units.front() : units.back();
-  int64_t last_elements = 0;
-  for (const auto& sizes : last.parameter_sizes) last_elements += shard_layout(sizes, shards, 0).numel_padded_shard;
-  last_elements *= shards;
+  // Its unsharded parameters and the reduce-scatter's blocks; NO_SHARD's all-reduce keeps only the
+  // received rows (the direct algorithms of one machine, src/dist/c10d/schedules.cpp).
+  const int64_t last_elements =
+      units.back().parameter_sizes.empty() ? padded_elements_of.front() : padded_elements_of.back();
   if (!no_shard) {
-    estimate.pooled_bytes_in_optimizer_step = last_elements * (compute + 2 * reduce);
+    estimate.pooled_bytes_in_optimizer_step = reduction_blocks(last_elements);
   } else if (world > 1) {
     estimate.pooled_bytes_in_optimizer_step = padded_all_reduce(last_elements, world) * reduce;
   }

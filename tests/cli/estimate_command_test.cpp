@@ -24,25 +24,32 @@ using fsdp::testing::run_command;
 // step_bench's Llama (8 heads, 4 key/value heads, tied embeddings) at a size that runs in seconds.
 constexpr int64_t kWidth = 128, kHidden = 344, kBlocks = 3, kVocab = 520;
 
+// A config.json in `directory` of step_bench's Llama shape (8 heads, 4 key/value heads).
+void write_llama_config(const fs::path& directory, int64_t width, int64_t hidden, int64_t blocks, int64_t vocab,
+                        bool tied) {
+  fs::create_directories(directory);
+  std::ofstream(directory / "config.json")
+      << nlohmann::json{{"model_type", "llama"},         {"architectures", {"LlamaForCausalLM"}},
+                        {"vocab_size", vocab},           {"hidden_size", width},
+                        {"intermediate_size", hidden},   {"num_hidden_layers", blocks},
+                        {"num_attention_heads", 8},      {"num_key_value_heads", 4},
+                        {"max_position_embeddings", 64}, {"tie_word_embeddings", tied}}
+             .dump();
+}
+
 class EstimateMemory : public ::testing::Test {
  protected:
   void SetUp() override {
     root_ = fs::temp_directory_path() / ("fsdp_estimate_" + std::to_string(::getpid()));
     fs::remove_all(root_);
-    fs::create_directories(root_ / "model");
-    std::ofstream(root_ / "model" / "config.json")
-        << nlohmann::json{{"model_type", "llama"},         {"architectures", {"LlamaForCausalLM"}},
-                          {"vocab_size", kVocab},          {"hidden_size", kWidth},
-                          {"intermediate_size", kHidden},  {"num_hidden_layers", kBlocks},
-                          {"num_attention_heads", 8},      {"num_key_value_heads", 4},
-                          {"max_position_embeddings", 64}, {"tie_word_embeddings", true}}
-               .dump();
+    write_llama_config(root_ / "model", kWidth, kHidden, kBlocks, kVocab, /*tied=*/true);
   }
   void TearDown() override { fs::remove_all(root_); }
 
-  nlohmann::json estimate(const std::string& flags) const {
+  // `fsdp estimate-memory --json` of the config.json in `model` (default: the test's model).
+  nlohmann::json estimate(const std::string& flags, const fs::path& model = {}) const {
     const auto result = run_command(std::string(FSDP_CLI_PATH) + " estimate-memory --config " +
-                                    (root_ / "model").string() + " --json " + flags);
+                                    (model.empty() ? root_ / "model" : model).string() + " --json " + flags);
     EXPECT_EQ(result.exit_code, 0) << result.output;
     return nlohmann::json::parse(result.output.substr(result.output.find('{')));
   }
@@ -159,18 +166,7 @@ TEST_F(EstimateMemory, PeakIsWithinTenPercentOfTheMeasuredPeakResidentMemoryOnTw
   };
   for (const Size& size : {Size{384, 1024, 4, 16000}, Size{512, 1408, 6, 16000}}) {
     const auto model = root_ / ("peak_" + std::to_string(size.width));
-    fs::create_directories(model);
-    std::ofstream(model / "config.json") << nlohmann::json{
-        {"model_type", "llama"},
-        {"architectures", {"LlamaForCausalLM"}},
-        {"vocab_size", size.vocab},
-        {"hidden_size", size.width},
-        {"intermediate_size", size.hidden},
-        {"num_hidden_layers", size.blocks},
-        {"num_attention_heads", 8},
-        {"num_key_value_heads", 4},
-        {"max_position_embeddings", 64},
-        {"tie_word_embeddings", false}}.dump();
+    write_llama_config(model, size.width, size.hidden, size.blocks, size.vocab, /*tied=*/false);
     const std::string shape = "--width " + std::to_string(size.width) + " --hidden " + std::to_string(size.hidden) +
                               " --blocks " + std::to_string(size.blocks) + " --vocab " + std::to_string(size.vocab) +
                               " --untied 1 --batch 8 --length 64";
@@ -182,11 +178,9 @@ TEST_F(EstimateMemory, PeakIsWithinTenPercentOfTheMeasuredPeakResidentMemoryOnTw
       double peak_mib = 0;
       for (const auto& rank_peak : measured["peak_rss_mb_per_rank"])
         peak_mib = std::max(peak_mib, rank_peak.get<double>());
-      const auto result = run_command(std::string(FSDP_CLI_PATH) + " estimate-memory --config " + model.string() +
-                                      " --json --wrap layers --seq-len 64 --num-processes " + std::to_string(ranks) +
-                                      " --micro-batch-size " + std::to_string(8 / ranks));
-      ASSERT_EQ(result.exit_code, 0) << result.output;
-      const auto estimated = nlohmann::json::parse(result.output.substr(result.output.find('{')));
+      const auto estimated = estimate("--wrap layers --seq-len 64 --num-processes " + std::to_string(ranks) +
+                                          " --micro-batch-size " + std::to_string(8 / ranks),
+                                      model);
       EXPECT_EQ(estimated["parameters"].get<int64_t>(), measured["parameters"].get<int64_t>());
       const double estimate_mib = estimated["peak_bytes_with_prefetch"].get<double>() / (1 << 20);
       EXPECT_NEAR(estimate_mib / peak_mib, 1.0, 0.10) << estimated.dump() << measured.dump();
