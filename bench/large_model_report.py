@@ -3,11 +3,9 @@
 DDP), per-rank memory against estimate-memory, and the checkpoint table (save, load, resume on 2
 ranks, merge) against cp + sync, a parallel read of the same bytes and PyTorch DCP."""
 import json
-import platform
 import sys
-import time
 
-from report import replace_between_markers
+from report import measured_on, replace_between_markers
 
 
 def mb_list(values):
@@ -38,8 +36,7 @@ def main():
     gb = lambda value: f"{value / 1e9:.2f} GB"
 
     lines = ["<!-- large-model -->", "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.machine()}, "
-             f"{__import__('os').cpu_count()} cores) with `{command}`; one round. The model: "
+             measured_on(command) + "; one round. The model: "
              f"{ours['parameters'] / 1e9:.3f} B parameters (`train_llama --preset large`), 4 sequences of 64 tokens a "
              "step, fp32, AdamW, CPU/Gloo; each decoder layer a unit, then the root, in both FSDPs.", "",
              f"**Under one cap of {cap_gib:.1f} GiB per process** (RLIMIT_DATA, `prlimit --data`: no cgroup v2 here):", "",

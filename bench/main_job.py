@@ -6,17 +6,14 @@ parameters) on 4 ranks for 4 steps, once with glibc's default thresholds and onc
     .venv/bin/python bench/main_job.py [--build build]
 """
 import argparse
-import datetime
 import json
 import os
-import platform
 import re
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import replace_between_markers  # noqa: E402
+from report import measured_on, replace_between_markers, run_logged  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TRAIN = ["--preset", "large", "--steps", "4", "--seq-len", "64", "--global-batch-size", "4", "--warmup-steps", "1",
@@ -24,18 +21,9 @@ TRAIN = ["--preset", "large", "--steps", "4", "--seq-len", "64", "--global-batch
 ESTIMATE = ["--preset", "large", "--num-processes", "4", "--seq-len", "64", "--json"]
 
 
-def run(command, log):
-    with open(log, "w") as out:
-        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
-    text = open(log).read()
-    if code != 0:
-        sys.exit(f"main_job: {' '.join(command)} failed ({code}):\n{text[-4000:]}")
-    return text
-
-
 def train(bin_dir, work, name, extra):
     output = os.path.join(work, name)
-    text = run(["/usr/bin/time", "-v", os.path.join(bin_dir, "fsdp"), "launch", "--nproc-per-node", "4",
+    text = run_logged(["/usr/bin/time", "-v", os.path.join(bin_dir, "fsdp"), "launch", "--nproc-per-node", "4",
                 "--master-port", "0", "--", os.path.join(bin_dir, "train_llama"), *TRAIN, "--output-dir", output,
                 *extra], os.path.join(work, name + ".log"))
     metrics = [json.loads(line) for line in open(os.path.join(output, "metrics.jsonl")) if line.strip()]
@@ -56,12 +44,11 @@ def main():
     bin_dir = os.path.join(args.build, "bin")
     mib, gb = 2 ** 20, 1e9
     with tempfile.TemporaryDirectory() as work:
-        estimate = json.loads(run([os.path.join(bin_dir, "fsdp"), "estimate-memory", *ESTIMATE],
-                                  os.path.join(work, "estimate.log")))
+        estimate = json.loads(run_logged([os.path.join(bin_dir, "fsdp"), "estimate-memory", *ESTIMATE],
+                                         os.path.join(work, "estimate.log")))
         runs = {"default": train(bin_dir, work, "default", []),
                 "limit": train(bin_dir, work, "limit", ["--limit-host-memory"])}
     peak = estimate["peak_bytes_with_prefetch"]
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
 
     def measured(name):
         result = runs[name]
@@ -79,9 +66,8 @@ def main():
         return f"{min(values):.1f}-{max(values):.1f}"
 
     lines = ["<!-- main-job -->", "",
-             f"Measured {stamp} on {platform.node()} ({platform.machine()}, {os.cpu_count()} cores) with "
-             "`.venv/bin/python bench/main_job.py`: the two commands above, the first twice (glibc's default "
-             "thresholds, then `--limit-host-memory`).", "",
+             measured_on(".venv/bin/python bench/main_job.py") + ": the two commands above, the first twice "
+             "(glibc's default thresholds, then `--limit-host-memory`).", "",
              "| | per rank |", "|---|---|",
              f"| loss, steps 1-4, glibc's defaults | {losses('default')} |",
              f"| the same with `--limit-host-memory` | {losses('limit')} |",

@@ -8,16 +8,13 @@ markers of bench/README.md.
     .venv/bin/python bench/peak_memory.py [--build build] [--skip-large]
 """
 import argparse
-import datetime
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from report import replace_between_markers  # noqa: E402
+from report import measured_on, replace_between_markers, run_logged  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +26,8 @@ SIZES = [
 ]
 
 
-def run_json(command):
-    result = subprocess.run(command, capture_output=True, text=True)
-    if result.returncode != 0:
-        sys.exit(f"peak_memory: {' '.join(command)} failed ({result.returncode}):\n{result.stdout}{result.stderr}")
-    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+def json_lines(command, log):
+    return [json.loads(line) for line in run_logged(command, log).splitlines() if line.startswith("{")]
 
 
 def main():
@@ -56,18 +50,19 @@ def main():
                            "num_attention_heads": heads, "num_key_value_heads": kv,
                            "max_position_embeddings": 64, "tie_word_embeddings": False}, config)
             for ranks in all_ranks:
-                estimate = run_json([os.path.join(bin_dir, "fsdp"), "estimate-memory", "--config", config_dir,
+                log = os.path.join(config_dir, f"{ranks}.log")
+                estimate = json_lines([os.path.join(bin_dir, "fsdp"), "estimate-memory", "--config", config_dir,
                                      "--json", "--wrap", "layers", "--seq-len", "64", "--num-processes",
-                                     str(ranks), "--micro-batch-size", str(batch // ranks)])[0]
+                                     str(ranks), "--micro-batch-size", str(batch // ranks)], log)[0]
                 measured = {}
                 for host_memory in ["limit", "default"]:
-                    lines = run_json([os.path.join(bin_dir, "fsdp"), "launch", "--nproc-per-node", str(ranks),
+                    lines = json_lines([os.path.join(bin_dir, "fsdp"), "launch", "--nproc-per-node", str(ranks),
                                       "--master-port", "0", "--", os.path.join(bin_dir, "step_bench"),
                                       "--model", "llama", "--width", str(width), "--hidden", str(hidden),
                                       "--blocks", str(layers), "--heads", str(heads), "--kv-heads", str(kv),
                                       "--vocab", str(vocab), "--untied", "1", "--batch", str(batch),
                                       "--length", "64", "--steps", "2", "--strategy", "FULL_SHARD",
-                                      "--host-memory", host_memory, "--memory-phases", "1"] + extra)
+                                      "--host-memory", host_memory, "--memory-phases", "1"] + extra, log)
                     step = next(line for line in lines if line["benchmark"] == "step")
                     phases = next(line for line in lines if line["benchmark"] == "memory_phases")
                     measured[host_memory] = max(step["peak_rss_mb_per_rank"])
@@ -84,10 +79,8 @@ def main():
                             f"{peak:.0f} | {measured['limit']:.0f} | {peak / measured['limit']:.2f} | "
                             f"{measured['default']:.0f} | {peak / measured['default']:.2f} |")
                 raw.append({"model": label, "world_size": ranks, "estimate": estimate})
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d %H:%M")
     lines = ["<!-- peak-memory -->", "",
-             f"Measured {stamp} on {platform.node()} ({platform.machine()}, {os.cpu_count()} cores) with "
-             "`.venv/bin/python bench/peak_memory.py`: FULL_SHARD, one unit per decoder layer and the root, "
+             measured_on(".venv/bin/python bench/peak_memory.py") + ": FULL_SHARD, one unit per decoder layer and the root, "
              "fp32, AdamW, 64-token sequences, 8 a step (4 at 0.544 B); the largest rank's peak RSS over two "
              "steps. MiB per rank.", "",
              "| model | ranks | model state | training step | optimizer step | runtime | estimated peak | "

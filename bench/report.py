@@ -27,6 +27,24 @@ def replace_between_markers(readme_path, marker, lines):
     os.replace(readme_path + ".tmp", readme_path)
 
 
+def measured_on(command):
+    """The first line of a table a script writes: when, on which machine, with which command."""
+    return (f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.machine()}, "
+            f"{len(os.sched_getaffinity(0))} cores) with `{command}`")
+
+
+def run_logged(command, log):
+    """Runs `command` with its output in the file `log` and returns that output; exits naming the
+    command, its status and the output's end when it fails."""
+    with open(log, "w") as out:
+        code = subprocess.run(command, stdout=out, stderr=subprocess.STDOUT).returncode
+    with open(log) as out:
+        text = out.read()
+    if code != 0:
+        sys.exit(f"bench: {' '.join(command)} failed ({code}):\n{text[-4000:]}")
+    return text
+
+
 def line_chart(path, title, x_label, y_label, series):
     """A small SVG line chart: `series` maps a name to [(x, y), ...]; x values are placed evenly."""
     width, height, left, right, top, bottom = 640, 380, 70, 190, 40, 50
@@ -87,9 +105,7 @@ def main():
 
     rounds = max(len(v) for v in steps.values()) if steps else 0
     lines = ["<!-- results -->", "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.machine()}, "
-             f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores) with `{command}`; "
-             f"medians over {rounds} rounds.", ""]
+             measured_on(command) + f"; medians over {rounds} rounds.", ""]
 
     # The benchmark model of each kind is the one DDP ran at several world sizes; other sizes are the
     # memory-cap demonstration.

@@ -2,13 +2,10 @@
 between the <!-- scale --> markers) and the plot bench/scale.svg (step time against N per peer)."""
 import json
 import os
-import platform
 import statistics
-import subprocess
 import sys
-import time
 
-from report import line_chart, replace_between_markers
+from report import line_chart, measured_on, replace_between_markers
 
 PEERS = (("FULL_SHARD", 1, "FULL_SHARD"), ("FULL_SHARD", 0, "FULL_SHARD, check off"), ("DDP", None, "DDP"),
          ("FSDP2", None, "FSDP2"))
@@ -31,9 +28,7 @@ def main():
     worlds = sorted({world for (_, _, world) in runs})
     rounds = max((len(group) for group in runs.values()), default=0)
     lines = ["<!-- scale -->", "",
-             f"Measured {time.strftime('%Y-%m-%d %H:%M')} on {platform.node()} ({platform.machine()}, "
-             f"{subprocess.run(['nproc'], capture_output=True, text=True).stdout.strip()} cores) with `{command}`; "
-             f"medians over {rounds} rounds. Every rank runs one thread; past 2 ranks the cores are oversubscribed, "
+             measured_on(command) + f"; medians over {rounds} rounds. Every rank runs one thread; past 2 ranks the cores are oversubscribed, "
              "so compare within a row, not down the columns.", "",
              "| ranks | FULL_SHARD step (s) | check off (s) | check cost (paired) | / DDP | / FSDP2 | DDP (s) | FSDP2 (s) "
              f"| setup (s) | start to first step (s) | / N={worlds[0] if worlds else '-'} "
