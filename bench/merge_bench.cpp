@@ -1,9 +1,13 @@
-// Benchmark: `fsdp merge-weights` on a sharded checkpoint of --bytes (default 1 GB) saved by 4 ranks,
-// against `cp -r` of the same files in the same run. Reports wall-time ratio and the merge's peak
+// Benchmark: a SHARDED save by 4 ranks of --bytes (default 1 GB), and `fsdp merge-weights` of it,
+// against `cp -r` + `sync` of the same files, in --rounds paired rounds (default 3). Each round saves
+// anew, then runs cp + sync and the merge in alternating order; the ratios are per round (save / cp +
+// sync, merge / cp + sync), reported each and as their median with the spread. Also the merge's peak
 // resident memory (from wait4), which must not grow with the checkpoint's size. The checkpoint is a
 // DCP directory, what save_checkpoint writes (--format rank-files: the format of earlier versions).
+// The save is timed inside the ranks, from a barrier to the return of the save (its final agreement
+// included), so launching the ranks does not count.
 //
-//   build/bin/merge_bench [--bytes 1GB] [--format dcp|rank-files] [--directory /tmp/fsdp_merge_bench]
+//   build/bin/merge_bench [--bytes 1GB] [--rounds 3] [--format dcp|rank-files] [--directory /tmp/fsdp_merge_bench]
 #include <fsdp/fsdp.h>
 #include <sys/resource.h>
 #include <sys/wait.h>
@@ -14,7 +18,9 @@
 #include <chrono>
 #include <cstdio>
 #include <filesystem>
+#include <fstream>
 #include <iostream>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -65,11 +71,15 @@ void generate(const std::string& directory, int64_t bytes, const std::string& fo
     tensor.row_offset = layout.row_offset;
     local.emplace_back("layers." + std::to_string(index) + ".weight", tensor);
   }
+  fsdp::barrier(context.world());
+  const auto start = std::chrono::steady_clock::now();
   if (format == "dcp") {
     fsdp::write_dcp_model_directory(directory, local, context);
   } else {
     fsdp::write_sharded_directory(directory, local, context);
   }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (context.rank() == 0) std::ofstream(fs::path(directory).parent_path() / "save_seconds") << seconds << "\n";
 }
 
 }  // namespace
@@ -79,19 +89,22 @@ int main(int argc, char** argv) {
   std::string size = "1GB";
   bool generating = false;
   std::string format = "dcp";
+  int rounds = 3;
   for (int index = 1; index < argc; ++index) {
     const std::string word = argv[index];
     if (word == "--bytes" && index + 1 < argc)
       size = argv[++index];
     else if (word == "--directory" && index + 1 < argc)
       directory = argv[++index];
+    else if (word == "--rounds" && index + 1 < argc)
+      rounds = std::max(1, std::atoi(argv[++index]));
     else if (word == "--generate")
       generating = true;
     else if (word == "--format" && index + 1 < argc &&
              (std::string(argv[index + 1]) == "dcp" || std::string(argv[index + 1]) == "rank-files"))
       format = argv[++index];
     else {
-      std::cerr << "usage: merge_bench [--bytes SIZE] [--format dcp|rank-files] [--directory DIR]\n";
+      std::cerr << "usage: merge_bench [--bytes SIZE] [--rounds N] [--format dcp|rank-files] [--directory DIR]\n";
       return 2;
     }
   }
@@ -104,47 +117,64 @@ int main(int argc, char** argv) {
     }
     const auto self = fs::canonical("/proc/self/exe");
     const auto cli = (self.parent_path() / "fsdp").string();
-    fs::remove_all(directory);
-    fs::create_directories(directory);
-    run({cli, "launch", "--nproc-per-node", "4", "--", self.string(), "--generate", "--bytes", size, "--format", format,
-         "--directory", directory});
+    std::vector<Measured> saves, synced_copies, merges;
+    std::vector<double> save_ratios, merge_ratios;
     int64_t total = 0;
-    for (const auto& item : fs::directory_iterator(sharded)) total += static_cast<int64_t>(item.file_size());
-    // Warm the page cache for both contenders the same way.
-    run({"sh", "-c", "cat " + sharded + "/* " + sharded + "/.metadata > /dev/null 2>&1; true"});
-    // The merge fsyncs what it writes (a checkpoint tool must not lose data on a crash), so the fair
-    // peer is cp followed by an fsync of the copies; plain cp is reported too.
-    // Three alternating rounds, medians: the virtual disk's write-back makes single runs noisy, and
-    // whoever writes first after the checkpoint was generated pays for its flush.
-    std::vector<Measured> copies, synced_copies, merges;
-    for (int round = 0; round < 3; ++round) {
-      fs::remove_all(directory + "/copy");
-      fs::remove_all(directory + "/copy_synced");
-      fs::remove_all(directory + "/merged");
+    for (int round = 0; round < rounds; ++round) {
+      fs::remove_all(directory);
+      fs::create_directories(directory);
       run({"sync"});
-      copies.push_back(run({"cp", "-r", sharded, directory + "/copy"}));
-      // Flushed outside the timing: an fsync on ext4 (data=ordered) also waits for other files' dirty data.
-      run({"sync"});
-      synced_copies.push_back(run(
-          {"sh", "-c", "cp -r " + sharded + " " + directory + "/copy_synced && sync " + directory + "/copy_synced/*"}));
-      merges.push_back(run({cli, "merge-weights", sharded, directory + "/merged"}));
+      run({cli, "launch", "--nproc-per-node", "4", "--", self.string(), "--generate", "--bytes", size, "--format",
+           format, "--directory", directory});
+      Measured save;
+      std::ifstream(directory + "/save_seconds") >> save.seconds;
+      saves.push_back(save);
+      total = 0;
+      for (const auto& item : fs::directory_iterator(sharded)) total += static_cast<int64_t>(item.file_size());
+      // Alternating order: a peer that always ran second would inherit the first one's write-back.
+      Measured copy_synced, merge;
+      for (int step = 0; step < 2; ++step) {
+        run({"sync"});
+        if ((step + round) % 2 == 0) {
+          copy_synced =
+              run({"sh", "-c",
+                   "cp -r " + sharded + " " + directory + "/copy_synced && sync " + directory + "/copy_synced/*"});
+        } else {
+          merge = run({cli, "merge-weights", sharded, directory + "/merged"});
+        }
+      }
+      synced_copies.push_back(copy_synced);
+      merges.push_back(merge);
+      save_ratios.push_back(save.seconds / copy_synced.seconds);
+      merge_ratios.push_back(merge.seconds / copy_synced.seconds);
     }
-    auto median = [](std::vector<Measured> values) {
-      std::sort(values.begin(), values.end(),
-                [](const Measured& a, const Measured& b) { return a.seconds < b.seconds; });
-      return values[values.size() / 2];
+    auto median = [](std::vector<double> values) {
+      std::sort(values.begin(), values.end());
+      const size_t middle = values.size() / 2;
+      return values.size() % 2 ? values[middle] : (values[middle - 1] + values[middle]) / 2;
     };
-    const auto copy = median(copies);
-    const auto copy_synced = median(synced_copies);
-    const auto merge = median(merges);
+    auto seconds_of = [](const std::vector<Measured>& values) {
+      std::vector<double> result;
+      for (const auto& value : values) result.push_back(value.seconds);
+      return result;
+    };
+    auto json_list = [](const std::vector<double>& values) {
+      std::ostringstream text;
+      text.precision(4);
+      text << "[";
+      for (size_t index = 0; index < values.size(); ++index) text << (index ? ", " : "") << values[index];
+      return text.str() + "]";
+    };
+    long merge_peak_kb = 0;
+    for (const auto& merge : merges) merge_peak_kb = std::max(merge_peak_kb, merge.peak_rss_kb);
     std::printf(
-        "{\"benchmark\": \"merge\", \"format\": \"%s\", \"bytes\": %lld, \"cp_seconds\": %.3f, \"cp_fsync_seconds\": "
-        "%.3f, "
-        "\"merge_seconds\": %.3f, \"ratio_to_cp_fsync\": %.3f, \"ratio_to_cp\": %.3f, "
-        "\"merge_peak_rss_mb\": %.1f, \"cp_peak_rss_mb\": %.1f}\n",
-        format.c_str(), static_cast<long long>(total), copy.seconds, copy_synced.seconds, merge.seconds,
-        merge.seconds / copy_synced.seconds, merge.seconds / copy.seconds, merge.peak_rss_kb / 1024.0,
-        copy.peak_rss_kb / 1024.0);
+        "{\"benchmark\": \"merge\", \"format\": \"%s\", \"bytes\": %lld, \"rounds\": %d, \"save_seconds\": %s, "
+        "\"cp_fsync_seconds\": %s, \"merge_seconds\": %s, \"save_to_cp_fsync\": %s, \"merge_to_cp_fsync\": %s, "
+        "\"median_save_to_cp_fsync\": %.3f, \"median_merge_to_cp_fsync\": %.3f, \"merge_peak_rss_mb\": %.1f}\n",
+        format.c_str(), static_cast<long long>(total), rounds, json_list(seconds_of(saves)).c_str(),
+        json_list(seconds_of(synced_copies)).c_str(), json_list(seconds_of(merges)).c_str(),
+        json_list(save_ratios).c_str(), json_list(merge_ratios).c_str(), median(save_ratios), median(merge_ratios),
+        merge_peak_kb / 1024.0);
     fs::remove_all(directory);
   } catch (const c10::Error& error) {
     std::cerr << "merge_bench: " << error.what_without_backtrace() << "\n";

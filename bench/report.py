@@ -213,9 +213,12 @@ def main():
         lines.append("")
     for row in rows:
         if row["benchmark"] == "merge":
-            lines += [f"merge of {row['bytes'] / 1e9:.2f} GB: {row['merge_seconds']:.2f} s; cp {row['cp_seconds']:.2f} s, "
-                      f"cp + sync {row['cp_fsync_seconds']:.2f} s (ratio {row['ratio_to_cp_fsync']:.2f}); "
-                      f"peak RSS {row['merge_peak_rss_mb']:.0f} MB", ""]
+            def rounds(key):
+                return ", ".join(f"{value:.2f}" for value in row[key])
+            lines += [f"{row['bytes'] / 1e9:.2f} GB saved by 4 ranks and merged, {row['rounds']} paired rounds: "
+                      f"save / (cp + sync) {rounds('save_to_cp_fsync')} (median {row['median_save_to_cp_fsync']:.2f}), "
+                      f"merge / (cp + sync) {rounds('merge_to_cp_fsync')} (median {row['median_merge_to_cp_fsync']:.2f}); "
+                      f"merge peak RSS {row['merge_peak_rss_mb']:.0f} MB", ""]
     if "mlp" in main_sizes:
         lines += ["![step time against ranks](step_time.svg) ![memory per rank against ranks](memory.svg)", ""]
     lines += ["Raw lines:", "", "```"] + [json.dumps(row) for row in rows] + ["```", "", "<!-- /results -->"]

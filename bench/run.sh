@@ -64,7 +64,7 @@ for n in "${world_sizes[@]}"; do
   "$bin/fsdp" launch --nproc-per-node "$n" --master-port 0 -- "$bin/collective_bench" --megabytes "$(( smoke ? 4 : 64 ))" >> "$results"
 done
 if (( smoke )); then
-  "$bin/merge_bench" --bytes 64MB >> "$results"
+  "$bin/merge_bench" --bytes 64MB --rounds 1 >> "$results"
 else
   "$bin/merge_bench" --bytes 1GB >> "$results"
 fi

@@ -65,6 +65,7 @@ packages=(
   g++ cmake ninja-build
   nlohmann-json3-dev libyaml-cpp-dev libcli11-dev libgtest-dev
   libgloo-dev  # headers only, for the declarations c10d's ProcessGroupGloo.hpp includes; never linked
+  zlib1g-dev   # the reference CRC-32 of the unit tests (tests/io/crc32_test.cpp), which CMake configures; never linked by the library
 )
 # The fuzz targets only (scripts/fuzz.sh): clang and libFuzzer's runtime, Debian's default LLVM
 # (14 in Debian 12; 19 in Debian 13, which these scripts have not met yet).

@@ -106,6 +106,19 @@ void write_safetensors_streaming(
     const std::string& path, const std::vector<SafetensorsEntry>& entries, std::map<std::string, std::string> metadata,
     const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer)>& write_data);
 
+namespace detail {
+/// Not part of the API (detail): appends `count` bytes of an open file from `offset`, copied inside
+/// the kernel where it can; `item` names them in errors (src/io/atomic_file.h's RangeSink).
+using FileRangeWriter =
+    std::function<void(const ReadOnlyFile& source, uint64_t offset, uint64_t count, const std::string& item)>;
+/// Not part of the API (detail): write_safetensors_streaming whose `write_data` may also hand over
+/// byte ranges of other files (the merge's rows, which lie in the checkpoint's files as they are).
+void write_safetensors_streaming(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                                 std::map<std::string, std::string> metadata,
+                                 const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer,
+                                                          const FileRangeWriter& copy)>& write_data);
+}  // namespace detail
+
 /// The order in which write_safetensors_streaming asks for the tensors of `entries` (indices into
 /// it): the file's order, as the safetensors library lays them out (wider dtypes first, then by name).
 /// A writer that produces tensors collectively (every rank gathering the same one) follows it on

@@ -346,6 +346,56 @@ void DcpDirectoryReader::read_rows(const std::string& name, int64_t row_begin, i
   fill_rows(name, row_begin, result);
 }
 
+bool DcpDirectoryReader::copy_rows(const std::string& name, int64_t row_begin, int64_t row_count,
+                                   const FileRangeWriter& copy) const {
+  const auto& key = keys_.at(name);
+  const auto& entry = tensor(name);
+  const auto sizes = block_sizes(name, row_begin, row_count);
+  if (sizes.empty()) return false;  // a scalar: one element, through read_rows
+  int64_t row_bytes = static_cast<int64_t>(c10::elementSize(entry.dtype));
+  for (size_t dim = 1; dim < sizes.size(); ++dim) row_bytes *= sizes[dim];
+  // Chunks are listed in any order; the ranges go out in row order, so they must tile the rows.
+  struct Piece {
+    int64_t first;
+    int64_t last;
+    size_t chunk;
+  };
+  std::vector<Piece> pieces;
+  for (size_t index = 0; index < entry.chunks.size(); ++index) {
+    const auto& chunk = entry.chunks[index];
+    const int64_t first = std::max(row_begin, chunk.offsets[0]);
+    const int64_t last = std::min(row_begin + row_count, chunk.offsets[0] + chunk.sizes[0]);
+    if (first >= last) continue;
+    for (size_t dim = 1; dim < sizes.size(); ++dim) {
+      if (chunk.offsets[dim] != 0 || chunk.sizes[dim] != sizes[dim]) return false;
+    }
+    pieces.push_back({first, last, index});
+  }
+  std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) { return a.first < b.first; });
+  int64_t next = row_begin;
+  for (const auto& piece : pieces) {
+    if (piece.first != next) return false;
+    next = piece.last;
+  }
+  if (next != row_begin + row_count) return false;
+  std::lock_guard<std::mutex> lock(cache_mutex_);
+  std::vector<int64_t> offsets;
+  for (const auto& piece : pieces) {
+    const auto offset = raw_data_offset(key, entry, piece.chunk);
+    if (!offset) return false;
+    offsets.push_back(*offset);
+  }
+  for (size_t index = 0; index < pieces.size(); ++index) {
+    const auto& piece = pieces[index];
+    const auto& chunk = entry.chunks[piece.chunk];
+    const int64_t start = offsets[index] + (piece.first - chunk.offsets[0]) * row_bytes;
+    copy(file(chunk.storage.relative_path), static_cast<uint64_t>(start),
+         static_cast<uint64_t>((piece.last - piece.first) * row_bytes),
+         item_name(chunk.storage) + " (chunk of '" + key + "')");
+  }
+  return true;
+}
+
 void DcpDirectoryReader::fill_rows(const std::string& name, int64_t row_begin, at::Tensor& result) const {
   const auto& key = keys_.at(name);
   const auto& entry = tensor(name);

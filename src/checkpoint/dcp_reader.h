@@ -8,6 +8,7 @@
 
 #include <ATen/core/Tensor.h>
 #include <ATen/core/ivalue.h>
+#include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 
 #include <map>
@@ -41,6 +42,10 @@ class DcpDirectoryReader : public TensorSource {
   std::string description() const override { return "DCP checkpoint directory '" + directory_ + "'"; }
   /// The raw bytes of rows [row_begin, row_begin + row_count) into `destination`.
   void read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const;
+  /// Appends the raw bytes of rows [row_begin, row_begin + row_count) of `name` through `copy`, as
+  /// ranges of the checkpoint's files, when every chunk they span holds whole rows as torch.save
+  /// writes a contiguous tensor and the chunks tile the rows; false (nothing appended) otherwise.
+  bool copy_rows(const std::string& name, int64_t row_begin, int64_t row_count, const FileRangeWriter& copy) const;
   /// Tensor names in the metadata's order.
   const std::vector<std::string>& names() const { return names_; }
   /// The safetensors dtype name ("F32", "BF16", ...).

@@ -63,6 +63,10 @@ class DcpDirectory : public ReaderDirectory<DcpDirectoryReader> {
   }
   std::optional<std::string> save_id() const override { return reader_.save_id(); }
   int64_t entry_count() const override { return static_cast<int64_t>(reader_.metadata().keys.size()); }
+  bool copy_rows(const std::string& name, int64_t row_begin, int64_t row_count,
+                 const FileRangeWriter& copy) const override {
+    return reader_.copy_rows(name, row_begin, row_count, copy);
+  }
 };
 
 }  // namespace

@@ -2,6 +2,7 @@
 // directories]).
 #pragma once
 
+#include <fsdp/safetensors.h>
 #include <fsdp/state_dict.h>
 
 #include <cstdint>
@@ -35,6 +36,13 @@ class ShardedDirectory : public TensorSource {
   virtual std::string dtype(const std::string& name) const = 0;
   /// The raw bytes of rows [row_begin, row_begin + row_count) of `name` into `destination`.
   virtual void read_rows(const std::string& name, int64_t row_begin, int64_t row_count, void* destination) const = 0;
+  /// Appends the raw bytes of those rows through `copy` as ranges of the directory's files (copied
+  /// inside the kernel), where the format keeps them there as they are; false, with nothing
+  /// appended, where they must go through read_rows. Default: false.
+  virtual bool copy_rows(const std::string& /*name*/, int64_t /*row_begin*/, int64_t /*row_count*/,
+                         const FileRangeWriter& /*copy*/) const {
+    return false;
+  }
   /// The optimizer's groups when the directory holds an optimizer's state; nullopt for a model's.
   /// `expected_type` (the optimizer being loaded, or "") settles what DCP's groups cannot tell:
   /// Adam and AdamW saved before torch 2.9 have the same options.

@@ -9,6 +9,7 @@
 #include <filesystem>
 
 #include "io/fault_point.h"
+#include "io/read_only_file.h"
 
 namespace fsdp::detail {
 
@@ -24,6 +25,11 @@ void write_file_atomically(const std::string& path, const std::string& contents)
 }
 
 void write_file_atomically(const std::string& path, const std::function<void(const ByteSink& sink)>& produce) {
+  write_file_atomically_with_copies(path, [&](const ByteSink& sink, const RangeSink&) { produce(sink); });
+}
+
+void write_file_atomically_with_copies(
+    const std::string& path, const std::function<void(const ByteSink& sink, const RangeSink& copy)>& produce) {
   const std::filesystem::path target(path);
   const auto directory = target.has_parent_path() ? target.parent_path() : std::filesystem::path(".");
   // Built by appending: GCC 12 misreads `"." + std::string` as an oversized copy (-Wstringop-overflow).
@@ -52,8 +58,12 @@ void write_file_atomically(const std::string& path, const std::function<void(con
       written += static_cast<size_t>(n);
     }
   };
+  auto copy = [&](const ReadOnlyFile& source, uint64_t offset, uint64_t count, const std::string& item) {
+    fault_point("write", temporary);
+    source.copy_exactly_to(fd, offset, count, item);
+  };
   try {
-    produce(sink);
+    produce(sink, copy);
   } catch (...) {
     if (fd >= 0) {
       ::close(fd);

@@ -6,6 +6,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <limits>
@@ -115,6 +116,45 @@ void ReadOnlyFile::read_exactly(void* buffer, size_t count, uint64_t offset, con
               what_, " '", path_, "' (", size_,
               " bytes when opened): it was truncated while being read, or is still "
               "being written");
+}
+
+void ReadOnlyFile::copy_exactly_to(int destination, uint64_t offset, uint64_t count, const std::string& item) const {
+  TORCH_INTERNAL_ASSERT(descriptor_ >= 0, "copy from a moved-from file");
+  uint64_t done = 0;
+  auto ended = [&] {
+    TORCH_CHECK(false, item, ": the file ended after ", done, " of ", count, " bytes at byte ", offset, " of ", what_,
+                " '", path_, "' (", size_,
+                " bytes when opened): it was truncated while being read, or is still being written");
+  };
+  bool in_kernel = true;
+  while (done < count && in_kernel) {
+    auto position = static_cast<loff_t>(offset + done);
+    const auto copied = ::copy_file_range(descriptor_, &position, destination, nullptr,
+                                          static_cast<size_t>(std::min<uint64_t>(count - done, 1u << 30)), 0);
+    if (copied < 0 && errno == EINTR) continue;
+    if (copied < 0 && (errno == EXDEV || errno == ENOSYS || errno == EOPNOTSUPP || errno == EINVAL)) {
+      in_kernel = false;  // another filesystem, an old kernel, or a file kind it refuses: copy through a buffer
+      break;
+    }
+    TORCH_CHECK(copied >= 0, item, ": copying from ", what_, " '", path_, "' at byte ", offset + done,
+                " failed: ", std::strerror(errno));
+    if (copied == 0) ended();
+    done += static_cast<uint64_t>(copied);
+  }
+  std::vector<char> buffer;
+  while (done < count) {
+    buffer.resize(static_cast<size_t>(std::min<uint64_t>(count - done, 1u << 20)));
+    const size_t got = read_at_most(buffer.data(), buffer.size(), offset + done);
+    if (got == 0) ended();
+    for (size_t written = 0; written < got;) {
+      const auto n = ::write(destination, buffer.data() + written, got - written);
+      if (n < 0 && errno == EINTR) continue;
+      TORCH_CHECK(n > 0, item, ": writing the bytes copied from ", what_, " '", path_,
+                  "' failed: ", std::strerror(errno));
+      written += static_cast<size_t>(n);
+    }
+    done += got;
+  }
 }
 
 std::vector<char> ReadOnlyFile::read_all() const {

@@ -44,6 +44,10 @@ class ReadOnlyFile {
   size_t read_at_most(void* buffer, size_t count, uint64_t offset) const;
   /// Exactly `count` bytes at `offset`; fewer is an error naming `item` and the truncation.
   void read_exactly(void* buffer, size_t count, uint64_t offset, const std::string& item) const;
+  /// Appends exactly `count` bytes at `offset` to the open file `destination` (at its position),
+  /// copied inside the kernel (copy_file_range: no pass through this process's memory) where the
+  /// filesystems allow, else through a buffer. Fewer is an error as for read_exactly.
+  void copy_exactly_to(int destination, uint64_t offset, uint64_t count, const std::string& item) const;
   /// The whole file (size() bytes; a file that shrank meanwhile is an error).
   std::vector<char> read_all() const;
   std::string read_text() const;

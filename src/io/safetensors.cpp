@@ -397,8 +397,10 @@ std::string header_text(const std::vector<PlannedTensor>& planned, const std::ma
   return text;
 }
 
+using DataWriter = std::function<void(const SafetensorsEntry&, const ByteWriter&, const detail::FileRangeWriter& copy)>;
+
 void emit(const std::vector<PlannedTensor>& planned, const std::map<std::string, std::string>& metadata,
-          const ByteWriter& sink, const std::function<void(const SafetensorsEntry&, const ByteWriter&)>& write_data) {
+          const ByteWriter& sink, const detail::RangeSink& copy, const DataWriter& write_data) {
   const auto header = header_text(planned, metadata);
   uint8_t length[8];
   uint64_t value = header.size();
@@ -417,11 +419,18 @@ void emit(const std::vector<PlannedTensor>& planned, const std::map<std::string,
                   "'");
       sink(data, size);
     };
+    detail::FileRangeWriter counted_copy = [&](const detail::ReadOnlyFile& source, uint64_t offset, uint64_t count,
+                                               const std::string& what) {
+      written += static_cast<int64_t>(count);
+      TORCH_CHECK(written <= expected, "write_safetensors: more than ", expected, " bytes given for '", item.entry.name,
+                  "'");
+      copy(source, offset, count, what);
+    };
     if (item.tensor.defined()) {
       auto contiguous = item.tensor.contiguous();
       counted(contiguous.data_ptr(), static_cast<size_t>(expected));
     } else {
-      write_data(item.entry, counted);
+      write_data(item.entry, counted, counted_copy);
     }
     TORCH_CHECK(written == expected, "write_safetensors: ", written, " bytes given for '", item.entry.name,
                 "', expected ", expected);
@@ -457,7 +466,7 @@ std::string serialize_safetensors(const std::vector<std::pair<std::string, at::T
   std::string bytes;
   emit(
       plan(tensors), metadata,
-      [&](const void* data, size_t size) { bytes.append(static_cast<const char*>(data), size); }, nullptr);
+      [&](const void* data, size_t size) { bytes.append(static_cast<const char*>(data), size); }, nullptr, nullptr);
   return bytes;
 }
 
@@ -472,12 +481,13 @@ void write_safetensors(const std::string& path, const std::vector<std::pair<std:
                        std::map<std::string, std::string> metadata) {
   metadata["format"] = "pt";
   const auto planned = plan(tensors);
-  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { emit(planned, metadata, sink, nullptr); });
+  detail::write_file_atomically_with_copies(path, [&](const detail::ByteSink& sink, const detail::RangeSink& copy) {
+    emit(planned, metadata, sink, copy, nullptr);
+  });
 }
 
-void write_safetensors_streaming(const std::string& path, const std::vector<SafetensorsEntry>& entries,
-                                 std::map<std::string, std::string> metadata,
-                                 const std::function<void(const SafetensorsEntry&, const ByteWriter&)>& write_data) {
+void detail::write_safetensors_streaming(const std::string& path, const std::vector<SafetensorsEntry>& entries,
+                                         std::map<std::string, std::string> metadata, const DataWriter& write_data) {
   metadata["format"] = "pt";
   std::vector<PlannedTensor> planned;
   for (const auto& entry : entries) {
@@ -486,7 +496,17 @@ void write_safetensors_streaming(const std::string& path, const std::vector<Safe
     planned.push_back(std::move(item));
   }
   assign_offsets(planned);
-  detail::write_file_atomically(path, [&](const detail::ByteSink& sink) { emit(planned, metadata, sink, write_data); });
+  detail::write_file_atomically_with_copies(path, [&](const detail::ByteSink& sink, const detail::RangeSink& copy) {
+    emit(planned, metadata, sink, copy, write_data);
+  });
+}
+
+void write_safetensors_streaming(
+    const std::string& path, const std::vector<SafetensorsEntry>& entries, std::map<std::string, std::string> metadata,
+    const std::function<void(const SafetensorsEntry& entry, const ByteWriter& writer)>& write_data) {
+  detail::write_safetensors_streaming(path, entries, std::move(metadata),
+                                      [&](const SafetensorsEntry& entry, const ByteWriter& writer,
+                                          const detail::FileRangeWriter&) { write_data(entry, writer); });
 }
 
 }  // namespace fsdp

@@ -16,6 +16,7 @@
 #include "io/atomic_file.h"
 #include "io/read_only_file.h"
 #include "io/restricted_unpickler.h"
+#include "io/zip_writer.h"
 
 namespace fsdp {
 
@@ -79,21 +80,20 @@ void write_archive(const c10::IValue& value,
                 " cannot be written in torch.save's format by libtorch (Python writes it with _rebuild_tensor_v3, "
                 "which libtorch lacks). Save such tensors in safetensors instead, or convert them first.");
   }
-  caffe2::serialize::PyTorchStreamWriter writer([&](const void* bytes, size_t size) -> size_t {
-    sink(bytes, size);
-    return size;
-  });
+  // Our zip writer, not libtorch's: the same layout, with the checksums at memory speed (Note
+  // [checksums at memory speed], src/io/crc32.h).
+  detail::ZipWriter writer(sink);
   for (size_t index = 0; index < placeholders.size(); ++index) {
     const auto& placeholder = placeholders[index];
     auto tensor = materialize(placeholder).contiguous();
     TORCH_CHECK(tensor.sizes() == placeholder.sizes() && tensor.scalar_type() == placeholder.scalar_type(),
                 "save_torch_file_streaming: tensor ", index, " is ", tensor.sizes(), " ", tensor.scalar_type(),
                 " but its placeholder is ", placeholder.sizes(), " ", placeholder.scalar_type());
-    writer.writeRecord("data/" + std::to_string(index), tensor.data_ptr(),
-                       static_cast<size_t>(tensor.numel() * tensor.element_size()));
+    writer.write_record("data/" + std::to_string(index), tensor.data_ptr(),
+                        static_cast<size_t>(tensor.numel() * tensor.element_size()));
   }
-  writer.writeRecord("data.pkl", pickle.data(), pickle.size());
-  writer.writeEndOfFile();
+  writer.write_record("data.pkl", pickle.data(), pickle.size());
+  writer.finish();
 }
 
 }  // namespace

@@ -76,9 +76,11 @@ void check_input(const std::string& checkpoint_dir) {
 
 using Output = detail::ShardFile;
 
-/// Writes the rows of `name` into `writer`, at most kReadBufferBytes at a time.
+/// Writes the rows of `name` into `writer`, at most kReadBufferBytes at a time: as ranges of the
+/// checkpoint's files copied inside the kernel where the format keeps the rows there as they are
+/// (DCP), else read into one buffer and written from it.
 void stream_tensor(const detail::ShardedDirectory& reader, const std::string& name, const ByteWriter& writer,
-                   const std::function<void(int64_t)>& advance) {
+                   const detail::FileRangeWriter& copy, const std::function<void(int64_t)>& advance) {
   const auto shape = reader.shape(name);
   if (shape.empty()) {
     auto tensor = reader.rows(name, 0, 1);
@@ -90,10 +92,15 @@ void stream_tensor(const detail::ShardedDirectory& reader, const std::string& na
   if (row_bytes == 0) return;
   const int64_t rows_per_read = std::max<int64_t>(1, kReadBufferBytes / row_bytes);
   // One buffer, reused: the bytes go from the rank files to the output without other copies.
+  // Sized on the first read that needs it.
   static thread_local std::vector<char> buffer;
-  buffer.resize(static_cast<size_t>(std::min(rows_per_read, shape[0]) * row_bytes));
   for (int64_t row = 0; row < shape[0]; row += rows_per_read) {
     const int64_t count = std::min(rows_per_read, shape[0] - row);
+    if (reader.copy_rows(name, row, count, copy)) {
+      advance(count * row_bytes);
+      continue;
+    }
+    buffer.resize(static_cast<size_t>(std::min(rows_per_read, shape[0]) * row_bytes));
     reader.read_rows(name, row, count, buffer.data());
     writer(buffer.data(), static_cast<size_t>(count * row_bytes));
     advance(count * row_bytes);
@@ -213,10 +220,11 @@ MergeResult write_merged(const detail::ShardedDirectory& reader, const std::opti
           metadata["optimizer"] = groups->optimizer;
           metadata["param_groups"] = groups->json;
         }
-        write_safetensors_streaming(path, entries, metadata,
-                                    [&](const SafetensorsEntry& entry, const ByteWriter& writer) {
-                                      stream_tensor(reader, entry.name, writer, advance);
-                                    });
+        detail::write_safetensors_streaming(
+            path, entries, metadata,
+            [&](const SafetensorsEntry& entry, const ByteWriter& writer, const detail::FileRangeWriter& copy) {
+              stream_tensor(reader, entry.name, writer, copy, advance);
+            });
       }
       result.tensors += static_cast<int64_t>(output.tensors.size());
     }

@@ -2,6 +2,7 @@
 // and one through a public reader, to show the policy reaches it.
 #include "io/read_only_file.h"
 
+#include <fcntl.h>
 #include <fsdp/safetensors.h>
 #include <fsdp/torch_file.h>
 #include <gtest/gtest.h>
@@ -10,6 +11,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 
 #include "harness/error_message.h"
 
@@ -90,6 +92,40 @@ TEST_F(ReadOnlyFileTest, AFileTruncatedWhileBeingReadIsAnErrorNotShortData) {
   auto message = testing::error_message_of([&] { file.read_all(); });
   EXPECT_NE(message.find("the file ended after 16 of 64 bytes at byte 0 of test file"), std::string::npos) << message;
   EXPECT_NE(message.find("truncated while being read"), std::string::npos) << message;
+}
+
+TEST_F(ReadOnlyFileTest, CopiesExactlyTheRangeInTheKernelOrThroughABufferAndATruncatedSourceIsNamed) {
+  std::string bytes(3 << 20, '\0');
+  for (size_t index = 0; index < bytes.size(); ++index) bytes[index] = static_cast<char>(index * 131 % 251);
+  ReadOnlyFile source(write("source", bytes), bytes.size(), "test file");
+  // Into a regular file (copy_file_range), after bytes written the ordinary way: appended at its position.
+  const auto target_path = path("target");
+  int target = ::open(target_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  ASSERT_GE(target, 0);
+  ASSERT_EQ(::write(target, "head", 4), 4);
+  source.copy_exactly_to(target, 1000, (2 << 20) + 7, "the range");
+  source.copy_exactly_to(target, 0, 0, "nothing");
+  ::close(target);
+  std::ifstream copied(target_path, std::ios::binary);
+  const std::string found((std::istreambuf_iterator<char>(copied)), std::istreambuf_iterator<char>());
+  EXPECT_TRUE(found == "head" + bytes.substr(1000, (2 << 20) + 7)) << "copied " << found.size() << " bytes";
+  // Into a pipe, which copy_file_range refuses: through the buffer instead.
+  int pipe_ends[2];
+  ASSERT_EQ(::pipe(pipe_ends), 0);
+  source.copy_exactly_to(pipe_ends[1], 5, 4000, "the range");
+  std::string piped(4000, '\0');
+  ASSERT_EQ(::read(pipe_ends[0], piped.data(), piped.size()), 4000);
+  ::close(pipe_ends[0]);
+  ::close(pipe_ends[1]);
+  EXPECT_TRUE(piped == bytes.substr(5, 4000));
+  // A source cut short after it was opened: named, not short output.
+  fs::resize_file(path("source"), 100);
+  target = ::open(target_path.c_str(), O_WRONLY | O_TRUNC);
+  auto message = testing::error_message_of([&] { source.copy_exactly_to(target, 50, 200, "chunk of 'w'"); });
+  ::close(target);
+  EXPECT_NE(message.find("chunk of 'w': the file ended after 50 of 200 bytes at byte 50 of test file"),
+            std::string::npos)
+      << message;
 }
 
 TEST_F(ReadOnlyFileTest, AMissingFileIsNamedOrNothingWhereTheCallerAsks) {
