@@ -127,7 +127,10 @@ int main(int argc, char** argv) {
       run({cli, "launch", "--nproc-per-node", "4", "--", self.string(), "--generate", "--bytes", size, "--format",
            format, "--directory", directory});
       Measured save;
-      std::ifstream(directory + "/save_seconds") >> save.seconds;
+      if (!(std::ifstream(directory + "/save_seconds") >> save.seconds) || save.seconds <= 0) {
+        std::cerr << "merge_bench: the ranks did not record the save's time in " << directory << "/save_seconds\n";
+        return 1;
+      }
       saves.push_back(save);
       total = 0;
       for (const auto& item : fs::directory_iterator(sharded)) total += static_cast<int64_t>(item.file_size());

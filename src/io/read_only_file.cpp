@@ -132,12 +132,17 @@ void ReadOnlyFile::copy_exactly_to(int destination, uint64_t offset, uint64_t co
     const auto copied = ::copy_file_range(descriptor_, &position, destination, nullptr,
                                           static_cast<size_t>(std::min<uint64_t>(count - done, 1u << 30)), 0);
     if (copied < 0 && errno == EINTR) continue;
-    if (copied < 0 && (errno == EXDEV || errno == ENOSYS || errno == EOPNOTSUPP || errno == EINVAL)) {
-      in_kernel = false;  // another filesystem, an old kernel, or a file kind it refuses: copy through a buffer
+    // Copy through a buffer instead where the kernel will not: another filesystem, an old kernel, a
+    // file kind it refuses, a sandbox that forbids the call (EPERM), network and FUSE filesystems
+    // (EIO), or one that copies nothing at all on the first call.
+    if ((copied < 0 && (errno == EXDEV || errno == ENOSYS || errno == EOPNOTSUPP || errno == EINVAL || errno == EPERM ||
+                        errno == EIO)) ||
+        (copied == 0 && done == 0)) {
+      in_kernel = false;
       break;
     }
     TORCH_CHECK(copied >= 0, item, ": copying from ", what_, " '", path_, "' at byte ", offset + done,
-                " failed: ", std::strerror(errno));
+                " into the file being written failed: ", std::strerror(errno));
     if (copied == 0) ended();
     done += static_cast<uint64_t>(copied);
   }

@@ -7,7 +7,10 @@
 // stored (never compressed) under "archive/<name>", its data aligned to 64 bytes by an "FB" padding
 // field in the local header, followed by a data descriptor (general purpose flag bit 3) holding the
 // CRC-32 and sizes; a central directory, a ZIP64 end record and its locator, and the end record
-// close the archive. Records and offsets past 4 GiB get ZIP64 fields (APPNOTE 4.5.3).
+// close the archive. Records and offsets past 4 GiB get ZIP64 fields (APPNOTE 4.5.3) where the
+// format needs them: a record of 4 GiB or more a ZIP64 local field and 64-bit descriptor, a size or
+// offset past 4 GiB its ZIP64 directory field. (libtorch's writer also gives records that merely
+// start past 4 GiB a local ZIP64 field; readers take the offset from the directory either way.)
 #pragma once
 
 #include <cstddef>

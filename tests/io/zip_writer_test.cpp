@@ -1,7 +1,8 @@
 // The torch.save archives our zip writer produces (src/io/zip_writer.h), read by the real readers:
 // Python's zipfile verifies every record's CRC-32 (testzip), torch.load reads the tensors, and
 // libtorch's own reader (our load_torch_file) reads them back; also with every field in its ZIP64
-// form, the path records of 4 GiB and more take.
+// form, the path records of 4 GiB and more take, and (zipfile only: miniz checks a 32-bit offset
+// against the archive's size) with the mixed forms of an archive past 4 GiB.
 #include "io/zip_writer.h"
 
 #include <caffe2/serialize/inline_container.h>
@@ -43,12 +44,13 @@ TensorList sample_tensors() {
 TEST_F(ZipWriterSideBySide, PythonVerifiesEveryChecksumAndTorchLoadReadsTheTensors) {
   const auto plain = (directory_ / "plain.pt").string();
   save_torch_file(plain, tensor_dict(sample_tensors()));
-  // The same records again, every size and offset in its ZIP64 form.
-  const auto zip64 = (directory_ / "zip64.pt").string();
-  {
+  // The same records again, every size and offset in its ZIP64 form; and with the ZIP64 threshold
+  // at 1000 bytes, the mixed forms of an archive past 4 GiB: small records with 32-bit fields, a
+  // large one with a ZIP64 size, small ones after it with only a ZIP64 offset.
+  auto rewrite = [&](const std::string& path, uint64_t zip64_from) {
     caffe2::serialize::PyTorchStreamReader reader(plain);
-    detail::write_file_atomically(zip64, [&](const detail::ByteSink& sink) {
-      detail::ZipWriter writer(sink, /*zip64_from=*/0);
+    detail::write_file_atomically(path, [&](const detail::ByteSink& sink) {
+      detail::ZipWriter writer(sink, zip64_from);
       for (const auto& name : reader.getAllRecords()) {
         if (name == "version" || name == "byteorder" || name == ".data/serialization_id") continue;  // finish()'s
         auto [data, size] = reader.getRecord(name);
@@ -56,7 +58,11 @@ TEST_F(ZipWriterSideBySide, PythonVerifiesEveryChecksumAndTorchLoadReadsTheTenso
       }
       writer.finish();
     });
-  }
+  };
+  const auto zip64 = (directory_ / "zip64.pt").string();
+  rewrite(zip64, 0);
+  const auto mixed = (directory_ / "mixed.pt").string();
+  rewrite(mixed, 1000);
   for (const auto& path : {plain, zip64}) {
     const auto loaded = tensor_dict_items(load_torch_file(path), path);
     const auto expected = sample_tensors();
@@ -83,6 +89,13 @@ TEST_F(ZipWriterSideBySide, PythonVerifiesEveryChecksumAndTorchLoadReadsTheTenso
       "    assert torch.equal(state['a'], torch.arange(100000, dtype=torch.float32).mul(0.37)), path\n"
       "    assert torch.equal(state['b'], torch.arange(15, dtype=torch.float64).reshape(3, 5)), path\n"
       "    assert state['empty'].shape == (0, 4) and state['scalar'].item() == 2.5, path\n"
+      "with zipfile.ZipFile('" +
+      mixed + "') as archive, zipfile.ZipFile('" + plain +
+      "') as reference:\n"
+      "    assert archive.testzip() is None\n"
+      "    assert archive.namelist() == reference.namelist(), archive.namelist()\n"
+      "    for name in reference.namelist():\n"
+      "        assert archive.read(name) == reference.read(name), name\n"
       "print('ok')\n");
   ASSERT_TRUE(python.ok);
   EXPECT_NE(python.output.at(0).find("ok"), std::string::npos) << python.output.at(0);
